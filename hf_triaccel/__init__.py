@@ -1,0 +1,25 @@
+"""hf_triaccel: faster, lighter training for the Hugging Face stack.
+
+Example:
+    >>> from torch import nn
+    >>> from hf_triaccel import AdaFisherW
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    >>> optimizer = AdaFisherW.from_model(model, lr=1e-3, weight_decay=1e-4)
+"""
+
+from hf_triaccel.curvature.collector import FisherCollector
+from hf_triaccel.curvature.rules import FactorLayout, FisherRule, register_fisher_rule
+from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+from hf_triaccel.optim.functional import adafisher
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdaFisher",
+    "AdaFisherW",
+    "FactorLayout",
+    "FisherCollector",
+    "FisherRule",
+    "adafisher",
+    "register_fisher_rule",
+]

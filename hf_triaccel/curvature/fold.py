@@ -1,0 +1,81 @@
+"""Folding a new Fisher statistic into its running factor (DESIGN.md section 3).
+
+``ema="reference"`` (the published AdaFisher rule, refreshed every ``update_every`` steps)::
+
+    cur <- 0.1 * gamma * cur + 0.01 * gamma * normalise(X)
+
+``ema="paper"`` (the rule as the paper writes it, every step; normalised after the EMA)::
+
+    cur <- gamma * cur + (1 - gamma) * X;   used = normalise(cur)
+
+``normalise`` is min-max scaling, (X - min X) / (max X - min X + 1e-6), over the finite
+entries, with +inf -> 1 and -inf / NaN -> 0; it never leaves the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_triaccel.dispatch import resolve_impl
+
+EMA_MODES = ("reference", "paper")
+NORMALISE_EPS = 1e-6
+
+
+def minmax_normalise(x: torch.Tensor) -> torch.Tensor:
+    """Min-max normalisation of a float tensor without a host sync.
+
+    Example:
+        >>> minmax_normalise(torch.tensor([1.0, 3.0, float("inf")]))
+        tensor([0.0000, 1.0000, 1.0000])
+    """
+    finite = torch.isfinite(x)
+    lo = torch.where(finite, x, float("inf")).amin()
+    hi = torch.where(finite, x, float("-inf")).amax()
+    out = (x - lo) / (hi - lo + NORMALISE_EPS)
+    out = torch.where(finite, out, torch.zeros_like(out))
+    return torch.where(x == float("inf"), torch.ones_like(out), out)
+
+
+def fold_reference(
+    ema: torch.Tensor, new: torch.Tensor, used: torch.Tensor, mode: str, gamma: float
+) -> None:
+    """Folds one statistic ``new`` into ``ema`` in place and refreshes ``used``.
+
+    In reference mode ``used`` is ``ema`` itself; in paper mode it receives the
+    normalised EMA.
+    """
+    if mode == "reference":
+        ema.mul_(0.1 * gamma).add_(minmax_normalise(new), alpha=0.01 * gamma)
+        if used is not ema:
+            used.copy_(ema)
+    elif mode == "paper":
+        ema.mul_(gamma).add_(new, alpha=1.0 - gamma)
+        used.copy_(minmax_normalise(ema))
+    else:
+        raise ValueError(f"ema={mode!r} is not one of {EMA_MODES}")
+
+
+def fold_factors(
+    emas: list[torch.Tensor],
+    news: list[torch.Tensor],
+    useds: list[torch.Tensor],
+    mode: str,
+    gamma: float,
+    impl: str | None = None,
+) -> None:
+    """Folds each ``news[i]`` into ``emas[i]`` (and ``useds[i]``), all on one device.
+
+    The Triton path does every factor in one launch; the others loop.
+    """
+    if not emas:
+        return
+    if mode not in EMA_MODES:
+        raise ValueError(f"ema={mode!r} is not one of {EMA_MODES}")
+    if resolve_impl(impl, emas[0].device) == "triton":
+        from hf_triaccel.kernels.stats import fold_triton
+
+        fold_triton(emas, news, useds, mode, gamma)
+        return
+    for ema, new, used in zip(emas, news, useds, strict=True):
+        fold_reference(ema, new, used, mode, gamma)

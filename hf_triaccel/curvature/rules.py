@@ -1,0 +1,331 @@
+"""Which modules carry Fisher factors, and how their statistics are taken.
+
+A :class:`FisherRule` knows, for one kind of module, the lengths of its two factor
+vectors (``a`` from the layer input, ``g`` from the gradient of its output), how to
+compute one statistic of each from a forward input / output gradient, and how each
+of the module's parameters indexes the two vectors (:class:`FactorLayout`).
+
+The preconditioner entry for flat element ``k`` of a parameter is::
+
+    F[k] = g[(k // g_div) % g_mod] * a[(k // a_div) % a_mod + a_off] + damping
+
+which covers weights stored (out, in) (Linear, Conv), (in, out) (Embedding,
+transformers' Conv1D), biases (the last ``a`` entry) and normalisation layers
+(``a`` is a 2-vector: entry 0 for the weight, entry 1 for the bias).
+
+Rules are looked up along the module's class hierarchy, so subclasses (timm's
+``BatchNormAct2d``) are covered. :func:`register_fisher_rule` adds a rule for a
+custom module class.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_triaccel.curvature.reductions import channel_sum, sum_rows
+
+
+@dataclass(frozen=True)
+class FactorLayout:
+    """How the flat elements of one parameter index the ``g`` and ``a`` factor vectors."""
+
+    g_div: int
+    g_mod: int
+    a_div: int
+    a_mod: int
+    a_off: int = 0
+
+    def indices(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the (g index, a index) of every flat element (reference path)."""
+        k = torch.arange(numel, device=device)
+        return (k // self.g_div) % self.g_mod, (k // self.a_div) % self.a_mod + self.a_off
+
+
+def out_in_layout(d_out: int, d_in: int) -> FactorLayout:
+    """Weight stored (d_out, d_in...): g over rows, a over columns."""
+    return FactorLayout(g_div=d_in, g_mod=d_out, a_div=1, a_mod=d_in)
+
+
+def in_out_layout(d_in: int, d_out: int) -> FactorLayout:
+    """Weight stored (d_in, d_out): a over rows, g over columns."""
+    return FactorLayout(g_div=1, g_mod=d_out, a_div=d_out, a_mod=d_in)
+
+
+def per_entry_layout(n: int, a_entry: int) -> FactorLayout:
+    """A vector parameter: g per entry, one shared ``a`` entry (bias or norm affine)."""
+    return FactorLayout(g_div=1, g_mod=n, a_div=1, a_mod=1, a_off=a_entry)
+
+
+class FisherRule:
+    """Statistics of one module kind. Subclasses override every method."""
+
+    def sizes(self, module: nn.Module) -> tuple[int, int]:
+        """Lengths of the (a, g) factor vectors."""
+        raise NotImplementedError
+
+    def layouts(self, module: nn.Module) -> dict[str, FactorLayout]:
+        """Layout of each direct parameter, by attribute name."""
+        raise NotImplementedError
+
+    def a_stat(self, module: nn.Module, x: torch.Tensor, impl: str | None) -> torch.Tensor:
+        """Activation statistic (float32, length a) from the module's input."""
+        raise NotImplementedError
+
+    def g_stat(self, module: nn.Module, grad: torch.Tensor, impl: str | None) -> torch.Tensor:
+        """Gradient statistic (float32, length g) from the gradient of the module's output."""
+        raise NotImplementedError
+
+
+def _with_ones(a: torch.Tensor, value: float, bias: bool) -> torch.Tensor:
+    """Appends the bias column's statistic when the module has a bias."""
+    return torch.cat([a, a.new_full((1,), value)]) if bias else a
+
+
+class LinearRule(FisherRule):
+    """``nn.Linear``: a = mean over rows of x^2 (+1 for the bias), g = mean of grad^2."""
+
+    def sizes(self, module):
+        return module.in_features + (module.bias is not None), module.out_features
+
+    def layouts(self, module):
+        d_out, d_in = module.out_features, module.in_features
+        return {"weight": out_in_layout(d_out, d_in), "bias": per_entry_layout(d_out, d_in)}
+
+    def a_stat(self, module, x, impl):
+        x2 = x.reshape(-1, x.shape[-1])
+        return _with_ones(sum_rows(x2, True, impl) / x2.shape[0], 1.0, module.bias is not None)
+
+    def g_stat(self, module, grad, impl):
+        g2 = grad.reshape(-1, grad.shape[-1])
+        return sum_rows(g2, True, impl) / g2.shape[0]
+
+
+class HFConv1DRule(LinearRule):
+    """transformers' ``Conv1D``: a Linear whose weight is stored (d_in, d_out)."""
+
+    def sizes(self, module):
+        d_in, d_out = module.weight.shape
+        return d_in + (module.bias is not None), d_out
+
+    def layouts(self, module):
+        d_in, d_out = module.weight.shape
+        return {"weight": in_out_layout(d_in, d_out), "bias": per_entry_layout(d_out, d_in)}
+
+    def a_stat(self, module, x, impl):
+        x2 = x.reshape(-1, x.shape[-1])
+        return _with_ones(sum_rows(x2, True, impl) / x2.shape[0], 1.0, module.bias is not None)
+
+
+def _conv_geometry(module: nn.Module, spatial: tuple[int, ...]):
+    """Per spatial dim: (input size, kernel, stride, dilation, left pad, output size)."""
+    dims = []
+    for i, n in enumerate(spatial):
+        k, s, d = module.kernel_size[i], module.stride[i], module.dilation[i]
+        if module.padding == "same":
+            total = d * (k - 1)
+            left, right = total // 2, total - total // 2
+        elif module.padding == "valid":
+            left = right = 0
+        else:
+            left = right = module.padding[i]
+        out = (n + left + right - d * (k - 1) - 1) // s + 1
+        dims.append((n, k, s, d, left, out))
+    return dims
+
+
+def _window_selector(n: int, k: int, s: int, d: int, left: int, out: int, device) -> torch.Tensor:
+    """(k, n) 0/1 matrix: entry [p, h] says input position h sits at kernel tap p of some window."""
+    taps = torch.arange(k, device=device).unsqueeze(1)
+    starts = torch.arange(out, device=device).unsqueeze(0) * s - left
+    pos = starts + taps * d  # (k, out): the input position each tap of each window reads
+    sel = torch.zeros(k, n + 1, device=device)
+    valid = (pos >= 0) & (pos < n)
+    # padded positions read zeros: send them to a scratch column that is dropped
+    sel.scatter_add_(1, torch.where(valid, pos, n), torch.ones_like(pos, dtype=sel.dtype))
+    return sel[:, :n]
+
+
+class ConvRule(FisherRule):
+    """``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d``.
+
+    a = sum over batch, output positions and groups of the squared zero-padded patch
+    entries, in weight-flattening order (C_in/groups, *kernel), plus the ones column if
+    bias, divided by B * L * D (L output positions, D patch length; the published
+    scaling). The unfold is never formed: the batch-sum of x^2 is taken once per input
+    position, then each kernel tap gathers the positions its windows visit through a
+    small 0/1 selector per spatial dim.
+    g = mean over B * L of the squared output gradient, per output channel.
+    """
+
+    def sizes(self, module):
+        d = module.in_channels // module.groups * math.prod(module.kernel_size)
+        return d + (module.bias is not None), module.out_channels
+
+    def layouts(self, module):
+        d = module.in_channels // module.groups * math.prod(module.kernel_size)
+        c_out = module.out_channels
+        return {"weight": out_in_layout(c_out, d), "bias": per_entry_layout(c_out, d)}
+
+    def a_stat(self, module, x, impl):
+        nd = len(module.kernel_size)
+        if x.dim() == nd + 1:  # unbatched input
+            x = x.unsqueeze(0)
+        if module.padding_mode != "zeros":
+            x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+            geometry = [
+                (n, k, s, d, 0, (n - d * (k - 1) - 1) // s + 1)
+                for n, k, s, d in zip(
+                    x.shape[2:], module.kernel_size, module.stride, module.dilation, strict=True
+                )
+            ]
+        else:
+            geometry = _conv_geometry(module, tuple(x.shape[2:]))
+        b, c = x.shape[:2]
+        per_position = sum_rows(x.reshape(b, -1), True, impl).view(c, *x.shape[2:])
+        selectors = [_window_selector(*g, device=x.device) for g in geometry]
+        letters = "xyz"[:nd]
+        taps = "ijk"[:nd]
+        spec = f"c{letters}," + ",".join(f"{t}{s}" for t, s in zip(taps, letters, strict=True))
+        a = torch.einsum(f"{spec}->c{taps}", per_position, *selectors)
+        groups = module.groups
+        a = a.reshape(groups, c // groups, -1).sum(0).reshape(-1)
+        positions = math.prod(g[-1] for g in geometry)
+        rows = b * positions
+        patch = a.numel()
+        return _with_ones(a, rows * groups, module.bias is not None) / (rows * patch)
+
+    def g_stat(self, module, grad, impl):
+        nd = len(module.kernel_size)
+        if grad.dim() == nd + 1:
+            grad = grad.unsqueeze(0)
+        g3 = grad.reshape(grad.shape[0], grad.shape[1], -1)
+        return channel_sum(g3, True, impl) / (g3.shape[0] * g3.shape[2])
+
+
+def _norm_a_stat(x: torch.Tensor, impl: str | None) -> torch.Tensor:
+    """Normalisation layers' a (published reference mode): a 2-vector.
+
+    Reduce over every dim except dim 1: u_j = sum / R^2, R the product of the reduced
+    dims other than dim 0; a = [sum_j u_j^2, size of dim 1] / B^2.
+    """
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    b, c = x.shape[:2]
+    x3 = x.reshape(b, c, -1)
+    u = channel_sum(x3, False, impl) / float(x3.shape[2]) ** 2
+    return torch.stack([(u * u).sum(), u.new_tensor(float(c))]) / float(b) ** 2
+
+
+class ChannelNormRule(FisherRule):
+    """BatchNorm (1d/2d/3d, and subclasses such as timm's BatchNormAct2d) and GroupNorm.
+
+    a: see :func:`_norm_a_stat`; g_c = (sum over all dims but 1 of the output gradient)^2 / B.
+    """
+
+    def sizes(self, module):
+        return 2, module.weight.shape[0]
+
+    def layouts(self, module):
+        c = module.weight.shape[0]
+        return {"weight": per_entry_layout(c, 0), "bias": per_entry_layout(c, 1)}
+
+    def a_stat(self, module, x, impl):
+        return _norm_a_stat(x, impl)
+
+    def g_stat(self, module, grad, impl):
+        if grad.dim() == 1:
+            grad = grad.unsqueeze(0)
+        b, c = grad.shape[:2]
+        s = channel_sum(grad.reshape(b, c, -1), False, impl)
+        return s * s / b
+
+
+class LastDimNormRule(FisherRule):
+    """LayerNorm and RMSNorm (affine over the trailing ``normalized_shape`` dims).
+
+    a: see :func:`_norm_a_stat`; g = (sum over the leading, non-normalised dims of the
+    output gradient)^2 / B, one entry per affine element.
+    """
+
+    def sizes(self, module):
+        return 2, module.weight.numel()
+
+    def layouts(self, module):
+        n = module.weight.numel()
+        return {"weight": per_entry_layout(n, 0), "bias": per_entry_layout(n, 1)}
+
+    def a_stat(self, module, x, impl):
+        return _norm_a_stat(x, impl)
+
+    def g_stat(self, module, grad, impl):
+        n = module.weight.numel()
+        batch = grad.shape[0] if grad.dim() > module.weight.dim() else 1
+        s = sum_rows(grad.reshape(-1, n), False, impl)
+        return s * s / batch
+
+
+class EmbeddingRule(FisherRule):
+    """``nn.Embedding`` (a Linear on one-hot inputs, weight stored (V, D)).
+
+    a_v = share of the input rows that look up row v (the mean of the squared one-hot);
+    g = mean over rows of the squared output gradient.
+    """
+
+    def sizes(self, module):
+        return module.num_embeddings, module.embedding_dim
+
+    def layouts(self, module):
+        return {"weight": in_out_layout(module.num_embeddings, module.embedding_dim)}
+
+    def a_stat(self, module, x, impl):
+        idx = x.reshape(-1)
+        counts = torch.bincount(idx, minlength=module.num_embeddings).float()
+        return counts / idx.numel()
+
+    def g_stat(self, module, grad, impl):
+        g2 = grad.reshape(-1, grad.shape[-1])
+        return sum_rows(g2, True, impl) / g2.shape[0]
+
+
+_RULES: dict[type, FisherRule] = {
+    nn.Linear: LinearRule(),
+    nn.Conv1d: ConvRule(),
+    nn.Conv2d: ConvRule(),
+    nn.Conv3d: ConvRule(),
+    nn.modules.batchnorm._BatchNorm: ChannelNormRule(),
+    nn.GroupNorm: ChannelNormRule(),
+    nn.LayerNorm: LastDimNormRule(),
+    nn.RMSNorm: LastDimNormRule(),
+    nn.Embedding: EmbeddingRule(),
+}
+_HF_CONV1D = HFConv1DRule()
+
+
+def register_fisher_rule(module_type: type, rule: FisherRule) -> None:
+    """Registers ``rule`` for ``module_type`` and its subclasses.
+
+    Example:
+        >>> class MyLinear(nn.Linear): ...
+        >>> register_fisher_rule(MyLinear, LinearRule())
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
+    if not isinstance(rule, FisherRule):
+        raise TypeError(f"rule must be a FisherRule, got {type(rule).__name__}")
+    _RULES[module_type] = rule
+
+
+def rule_for(module: nn.Module) -> FisherRule | None:
+    """The rule for ``module``'s class or its nearest registered base, else ``None``."""
+    for cls in type(module).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+    # transformers' Conv1D, recognised without importing transformers
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return _HF_CONV1D
+    return None
