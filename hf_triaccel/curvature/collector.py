@@ -132,9 +132,14 @@ class FisherCollector:
             return
         device = next(iter(owned.values())).device
         a_len, g_len = rule.sizes(module)
-        a_ema = torch.ones(a_len, device=device)
-        g_ema = torch.ones(g_len, device=device)
         paper = self.ema == "paper"
+        # Factors start at ones. In paper mode only the normalised EMA is ever read,
+        # and min-max normalisation removes any constant, so the EMA is kept without
+        # the seed's share gamma^t: the same result, without float32 cancellation
+        # when the statistics are tiny next to 1.
+        seed = torch.zeros if paper else torch.ones
+        a_ema = seed(a_len, device=device)
+        g_ema = seed(g_len, device=device)
         layer = LayerFactors(
             name=name,
             module=module,
@@ -142,8 +147,8 @@ class FisherCollector:
             layouts={k: layouts[k] for k in owned},
             a_ema=a_ema,
             g_ema=g_ema,
-            a=a_ema.clone() if paper else a_ema,
-            g=g_ema.clone() if paper else g_ema,
+            a=torch.ones_like(a_ema) if paper else a_ema,
+            g=torch.ones_like(g_ema) if paper else g_ema,
             a_sum=torch.zeros(a_len, device=device),
             g_sum=torch.zeros(g_len, device=device),
         )

@@ -8,6 +8,9 @@
 
     cur <- gamma * cur + (1 - gamma) * X;   used = normalise(cur)
 
+(the collector starts ``cur`` at zeros instead of ones in paper mode: normalisation
+removes the constant the ones seed adds, and float32 keeps its precision).
+
 ``normalise`` is min-max scaling, (X - min X) / (max X - min X + 1e-6), over the finite
 entries, with +inf -> 1 and -inf / NaN -> 0; it never leaves the device.
 """

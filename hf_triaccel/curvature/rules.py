@@ -138,16 +138,41 @@ def _conv_geometry(module: nn.Module, spatial: tuple[int, ...]):
     return dims
 
 
-def _window_selector(n: int, k: int, s: int, d: int, left: int, out: int, device) -> torch.Tensor:
-    """(k, n) 0/1 matrix: entry [p, h] says input position h sits at kernel tap p of some window."""
+def _window_selector(
+    n: int, k: int, s: int, d: int, left: int, out: int, device, dtype=torch.float32
+) -> torch.Tensor:
+    """(k, n) count matrix: entry [p, h] is how many windows read input position h at tap p."""
     taps = torch.arange(k, device=device).unsqueeze(1)
     starts = torch.arange(out, device=device).unsqueeze(0) * s - left
     pos = starts + taps * d  # (k, out): the input position each tap of each window reads
-    sel = torch.zeros(k, n + 1, device=device)
+    sel = torch.zeros(k, n + 1, device=device, dtype=dtype)
     valid = (pos >= 0) & (pos < n)
     # padded positions read zeros: send them to a scratch column that is dropped
     sel.scatter_add_(1, torch.where(valid, pos, n), torch.ones_like(pos, dtype=sel.dtype))
     return sel[:, :n]
+
+
+def _pads_same_dynamically(module: nn.Module) -> bool:
+    """timm's ``Conv2dSame`` (always) and ``StdConv2dSame`` / ``ScaledStdConv2dSame`` (when
+    ``same_pad``) zero-pad their input TensorFlow-style inside ``forward``."""
+    if type(module).__name__ == "Conv2dSame":
+        return True
+    return getattr(module, "same_pad", False) is True
+
+
+def _tf_same_pad(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """The TensorFlow 'SAME' zero padding those modules apply (extra pixel right/bottom)."""
+    pads = []
+    for n, k, s, d in zip(
+        reversed(x.shape[2:]),
+        reversed(module.kernel_size),
+        reversed(module.stride),
+        reversed(module.dilation),
+        strict=True,
+    ):
+        total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+        pads += [total // 2, total - total // 2]
+    return F.pad(x, pads)
 
 
 class ConvRule(FisherRule):
@@ -158,7 +183,7 @@ class ConvRule(FisherRule):
     bias, divided by B * L * D (L output positions, D patch length; the published
     scaling). The unfold is never formed: the batch-sum of x^2 is taken once per input
     position, then each kernel tap gathers the positions its windows visit through a
-    small 0/1 selector per spatial dim.
+    small count selector per spatial dim.
     g = mean over B * L of the squared output gradient, per output channel.
     """
 
@@ -175,6 +200,8 @@ class ConvRule(FisherRule):
         nd = len(module.kernel_size)
         if x.dim() == nd + 1:  # unbatched input
             x = x.unsqueeze(0)
+        if _pads_same_dynamically(module):
+            x = _tf_same_pad(x, module)
         if module.padding_mode != "zeros":
             x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
             geometry = [
@@ -187,7 +214,9 @@ class ConvRule(FisherRule):
             geometry = _conv_geometry(module, tuple(x.shape[2:]))
         b, c = x.shape[:2]
         per_position = sum_rows(x.reshape(b, -1), True, impl).view(c, *x.shape[2:])
-        selectors = [_window_selector(*g, device=x.device) for g in geometry]
+        selectors = [
+            _window_selector(*g, device=x.device, dtype=per_position.dtype) for g in geometry
+        ]
         letters = "xyz"[:nd]
         taps = "ijk"[:nd]
         spec = f"c{letters}," + ",".join(f"{t}{s}" for t, s in zip(taps, letters, strict=True))
@@ -221,50 +250,100 @@ def _norm_a_stat(x: torch.Tensor, impl: str | None) -> torch.Tensor:
     return torch.stack([(u * u).sum(), u.new_tensor(float(c))]) / float(b) ** 2
 
 
+def _affine_numel(module: nn.Module) -> int:
+    """Number of affine elements of a normalisation layer, whether or not it has them."""
+    shape = getattr(module, "normalized_shape", None)
+    if shape is not None:
+        return math.prod(shape)
+    for attr in ("num_features", "num_channels"):
+        n = getattr(module, attr, None)
+        if isinstance(n, int):
+            return n
+    p = module.weight if getattr(module, "weight", None) is not None else module.bias
+    return p.numel()
+
+
+def _channel_stat(grad: torch.Tensor, impl: str | None) -> torch.Tensor:
+    """(sum over all dims but 1 of ``grad``)^2 / B."""
+    if grad.dim() == 1:
+        grad = grad.unsqueeze(0)
+    b, c = grad.shape[:2]
+    s = channel_sum(grad.reshape(b, c, -1), False, impl)
+    return s * s / b
+
+
+# timm's LayerNorm subclasses that normalise dim 1 of (B, C, H, W) inputs
+_CHANNELS_FIRST_LAYER_NORMS = frozenset(
+    {"LayerNorm2d", "LayerNormAct2d", "LayerNorm2dFp32", "LayerNormAct2dFp32", "LayerNorm3d"}
+)
+
+
+def _channels_first(module: nn.Module, shape: torch.Size) -> bool:
+    """Whether a LayerNorm-like module normalises dim 1 (affine per channel of (B, C, ...))
+    rather than the trailing dims: transformers' ``data_format="channels_first"`` layers,
+    timm's ``LayerNorm2d`` family, or an input whose trailing dims do not fit while dim 1 does.
+    """
+    fmt = getattr(module, "data_format", None)
+    if fmt in ("channels_first", "channels_last"):
+        return fmt == "channels_first"
+    if type(module).__name__ in _CHANNELS_FIRST_LAYER_NORMS:
+        return True
+    ns = tuple(module.normalized_shape)
+    return len(ns) == 1 and len(shape) >= 3 and tuple(shape[-1:]) != ns and shape[1] == ns[0]
+
+
 class ChannelNormRule(FisherRule):
     """BatchNorm (1d/2d/3d, and subclasses such as timm's BatchNormAct2d) and GroupNorm.
 
     a: see :func:`_norm_a_stat`; g_c = (sum over all dims but 1 of the output gradient)^2 / B.
+    Without affine parameters the layer has nothing to precondition (no factors).
     """
 
     def sizes(self, module):
-        return 2, module.weight.shape[0]
+        return 2, _affine_numel(module)
 
     def layouts(self, module):
-        c = module.weight.shape[0]
+        c = _affine_numel(module)
         return {"weight": per_entry_layout(c, 0), "bias": per_entry_layout(c, 1)}
 
     def a_stat(self, module, x, impl):
         return _norm_a_stat(x, impl)
 
     def g_stat(self, module, grad, impl):
-        if grad.dim() == 1:
-            grad = grad.unsqueeze(0)
-        b, c = grad.shape[:2]
-        s = channel_sum(grad.reshape(b, c, -1), False, impl)
-        return s * s / b
+        return _channel_stat(grad, impl)
 
 
 class LastDimNormRule(FisherRule):
     """LayerNorm and RMSNorm (affine over the trailing ``normalized_shape`` dims).
 
     a: see :func:`_norm_a_stat`; g = (sum over the leading, non-normalised dims of the
-    output gradient)^2 / B, one entry per affine element.
+    output gradient)^2 / B, one entry per affine element. Channels-first subclasses
+    (timm's ``LayerNorm2d``, transformers' ``data_format="channels_first"``), which
+    normalise dim 1 of (B, C, ...) inputs, take g per channel as :class:`ChannelNormRule`.
+    Without affine parameters the layer has nothing to precondition (no factors).
     """
 
     def sizes(self, module):
-        return 2, module.weight.numel()
+        return 2, _affine_numel(module)
 
     def layouts(self, module):
-        n = module.weight.numel()
+        n = _affine_numel(module)
         return {"weight": per_entry_layout(n, 0), "bias": per_entry_layout(n, 1)}
 
     def a_stat(self, module, x, impl):
         return _norm_a_stat(x, impl)
 
     def g_stat(self, module, grad, impl):
-        n = module.weight.numel()
-        batch = grad.shape[0] if grad.dim() > module.weight.dim() else 1
+        if _channels_first(module, grad.shape):
+            return _channel_stat(grad, impl)
+        ns = tuple(module.normalized_shape)
+        if tuple(grad.shape[grad.dim() - len(ns) :]) != ns:
+            raise ValueError(
+                f"{type(module).__name__} with normalized_shape {ns} got an output of shape "
+                f"{tuple(grad.shape)}, whose trailing dims do not match"
+            )
+        n = math.prod(ns)
+        batch = grad.shape[0] if grad.dim() > len(ns) else 1
         s = sum_rows(grad.reshape(-1, n), False, impl)
         return s * s / batch
 
@@ -283,8 +362,10 @@ class EmbeddingRule(FisherRule):
         return {"weight": in_out_layout(module.num_embeddings, module.embedding_dim)}
 
     def a_stat(self, module, x, impl):
-        idx = x.reshape(-1)
-        counts = torch.bincount(idx, minlength=module.num_embeddings).float()
+        idx = x.reshape(-1).long()
+        # index_add_ rather than bincount: bincount sizes its output on the host (a sync)
+        counts = torch.zeros(module.num_embeddings, device=idx.device)
+        counts.index_add_(0, idx, torch.ones(idx.numel(), device=idx.device))
         return counts / idx.numel()
 
     def g_stat(self, module, grad, impl):

@@ -1,0 +1,326 @@
+"""AdaFisher / AdaFisherW: the float64 oracle, implementation parity, and the torch.optim
+contract (param groups, state_dict resume, closure, None grads, autocast, GradScaler)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_triaccel import AdaFisher, AdaFisherW, FisherCollector
+from tests.optim.oracle import OracleAdaFisher
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=False),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 5),
+    )
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        out = self.bn2(self.conv2(out))
+        out += x
+        return F.relu(out, inplace=True)
+
+
+def resnet_style() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        ResidualBlock(8),
+        ResidualBlock(8),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+
+
+def batches(n: int, seed: int, shape=(4, 3, 8, 8), classes=5):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(*shape, generator=gen), torch.randint(0, classes, (shape[0],), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def train(model, opt, data, *, dtype=torch.float32):
+    for x, y in data:
+        loss = F.cross_entropy(model(x.to(dtype)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
+def max_rel_diff(m1: nn.Module, m2: nn.Module) -> float:
+    return max(
+        ((p1.double() - p2.double()).norm() / p2.double().norm()).item()
+        for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("cls", [AdaFisher, AdaFisherW])
+@pytest.mark.parametrize("ema", ["reference", "paper"])
+def test_reference_matches_float64_oracle(cls, ema):
+    torch.manual_seed(0)
+    model = small_cnn()
+    oracle_model = copy.deepcopy(model).double()
+    opt = cls.from_model(
+        model, lr=1e-2, weight_decay=1e-2, update_every=3, ema=ema, impl="reference"
+    )
+    oracle = OracleAdaFisher(
+        oracle_model, lr=1e-2, weight_decay=1e-2, update_every=3, ema=ema,
+        decoupled=cls is AdaFisherW,
+    )
+    for x, y in batches(8, seed=1):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(oracle_model(x.double()), y).backward()
+        oracle.step()
+        oracle_model.zero_grad()
+    assert max_rel_diff(model, oracle_model) < 2e-5
+
+
+@pytest.mark.parametrize("cls", [AdaFisher, AdaFisherW])
+def test_foreach_matches_reference_over_300_steps(cls):
+    """ema="reference" over 300 steps (refreshes at 0, 100, 200) on a ResNet-style model.
+
+    lr is kept small: AdaFisher's step is lr / F with F down to ``damping``, and at
+    larger lr this tiny model trains chaotically, so any rounding difference grows.
+    """
+    torch.manual_seed(0)
+    model = resnet_style()
+    runs = {}
+    for impl in ("reference", "foreach"):
+        m = copy.deepcopy(model)
+        opt = cls.from_model(m, lr=1e-4, weight_decay=5e-4, impl=impl)
+        train(m, opt, batches(300, seed=2, shape=(4, 3, 6, 6), classes=10))
+        runs[impl] = m
+    assert max_rel_diff(runs["foreach"], runs["reference"]) < 1e-5
+
+
+def test_triton_matches_reference_interpreted():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+    torch.manual_seed(0)
+    model = small_cnn()
+    runs = {}
+    for impl in ("reference", "triton"):
+        m = copy.deepcopy(model)
+        opt = AdaFisherW.from_model(m, lr=1e-2, weight_decay=1e-2, update_every=2, impl=impl)
+        train(m, opt, batches(4, seed=3))
+        runs[impl] = m
+    assert max_rel_diff(runs["triton"], runs["reference"]) < 1e-5
+
+
+def test_every_parameter_moves_and_unknown_modules_get_fallback():
+    class Scaled(nn.Module):  # an unsupported module with its own parameter
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(5))
+
+        def forward(self, x):
+            return x * self.scale
+
+    model = nn.Sequential(small_cnn(), Scaled())
+    opt = AdaFisher.from_model(model, lr=1e-2, update_every=1)
+    assert opt.collector.factors_for(model[1].scale) is None
+    for x, y in batches(3, seed=4):
+        before = [p.detach().clone() for p in model.parameters()]
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        for b, p in zip(before, model.parameters(), strict=True):
+            assert torch.isfinite(p).all()
+            assert not torch.equal(b, p)
+
+
+def test_param_groups_have_their_own_lr_and_decay():
+    torch.manual_seed(0)
+    model = small_cnn()
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    collector = FisherCollector(model)
+    opt = AdaFisherW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "lr": 0.0}],
+        collector,
+        lr=1e-2,
+    )
+    frozen = [p.detach().clone() for p in no_decay]
+    train(model, opt, batches(2, seed=5))
+    for b, p in zip(frozen, no_decay, strict=True):
+        assert torch.equal(b, p)  # lr 0 group untouched
+    assert opt.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_none_grads_are_skipped():
+    model = nn.ModuleDict({"used": nn.Linear(4, 2), "unused": nn.Linear(4, 2)})
+    opt = AdaFisher.from_model(model, lr=1e-2)
+    before = model["unused"].weight.detach().clone()
+    model["used"](torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert torch.equal(before, model["unused"].weight)
+    assert model["unused"].weight not in opt.state
+
+
+def test_closure_returns_loss():
+    model = nn.Linear(4, 2)
+    opt = AdaFisher.from_model(model, lr=1e-2)
+    x = torch.randn(5, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() > 0
+
+
+@pytest.mark.parametrize("impl", ["reference", "foreach"])
+def test_state_dict_resume_is_exact(impl):
+    torch.manual_seed(0)
+    data = batches(12, seed=6)
+    model = small_cnn()
+    straight = copy.deepcopy(model)
+    opt = AdaFisherW.from_model(straight, lr=1e-2, weight_decay=1e-3, update_every=4, impl=impl)
+    train(straight, opt, data)
+
+    first = copy.deepcopy(model)
+    opt1 = AdaFisherW.from_model(first, lr=1e-2, weight_decay=1e-3, update_every=4, impl=impl)
+    train(first, opt1, data[:7])
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+
+    resumed = small_cnn()
+    resumed.load_state_dict(saved["model"])
+    opt2 = AdaFisherW.from_model(resumed, lr=1e-2, weight_decay=1e-3, update_every=4, impl=impl)
+    opt2.load_state_dict(saved["opt"])
+    train(resumed, opt2, data[7:])
+    for p1, p2 in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p1, p2)
+
+
+def test_state_dict_before_first_step():
+    model = small_cnn()
+    opt = AdaFisher.from_model(model)
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    assert sd["fisher"]["fisher_steps"] == 0
+
+
+def test_bf16_params_keep_fp32_momentum_across_resume():
+    model = nn.Linear(8, 4).to(torch.bfloat16)
+    opt = AdaFisher.from_model(model, lr=1e-2)
+    model(torch.randn(3, 8, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    opt2 = AdaFisher.from_model(model, lr=1e-2)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.state[model.weight]["momentum"].dtype == torch.float32
+    assert torch.equal(opt2.state[model.weight]["momentum"], opt.state[model.weight]["momentum"])
+
+
+def test_autocast_bf16_statistics_are_fp32():
+    model = small_cnn()
+    opt = AdaFisher.from_model(model, lr=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 5, (4,)))
+    loss.backward()
+    opt.step()
+    for layer in opt.collector.layers.values():
+        assert layer.a.dtype == torch.float32 and torch.isfinite(layer.a).all()
+        assert torch.isfinite(layer.g).all()
+
+
+class FakeScaler:
+    """A GradScaler stand-in: the collector reads only ``is_enabled`` and ``_scale``."""
+
+    def __init__(self, scale: float) -> None:
+        self._scale = torch.tensor(scale)
+
+    def is_enabled(self) -> bool:
+        return True
+
+
+def test_loss_scale_is_removed_from_statistics():
+    torch.manual_seed(0)
+    model = small_cnn()
+    scaled = copy.deepcopy(model)
+    x, y = batches(1, seed=7)[0]
+    opt = AdaFisher.from_model(model, ema="paper", lr=0.0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt_s = AdaFisher.from_model(scaled, ema="paper", lr=0.0)
+    opt_s.collector.grad_scaler = FakeScaler(1024.0)
+    (F.cross_entropy(scaled(x), y) * 1024.0).backward()
+    opt_s.step()
+    for name, layer in opt.collector.layers.items():
+        torch.testing.assert_close(opt_s.collector.layers[name].g_ema, layer.g_ema, rtol=1e-5, atol=0)
+
+
+def test_statistics_are_taken_only_on_refresh_steps():
+    model = nn.Linear(4, 3)
+    opt = AdaFisher.from_model(model, lr=1e-2, update_every=3)
+    flags = []
+    for _ in range(7):
+        flags.append(opt.collector.collecting)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    assert flags == [True, False, False, True, False, False, True]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"lr": -1.0}, "learning rate"),
+        ({"beta": 1.0}, "beta"),
+        ({"damping": 0.0}, "damping"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"update_every": 0}, "update_every"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"ema": "fast"}, "ema"),
+        ({"impl": "cuda"}, "impl"),
+    ],
+)
+def test_bad_hyperparameters_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdaFisher.from_model(nn.Linear(2, 2), **kwargs)
+
+
+def test_without_collector_warns():
+    with pytest.warns(UserWarning, match="F = 1"):
+        AdaFisher(nn.Linear(2, 2).parameters())
+
+
+def test_collector_ema_mismatch_raises():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="ema"):
+        AdaFisher(model.parameters(), FisherCollector(model, ema="paper"))
