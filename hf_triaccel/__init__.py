@@ -14,12 +14,34 @@ from hf_triaccel.optim.functional import adafisher
 
 __version__ = "0.1.0"
 
+# The integrations import transformers / accelerate: load them on first use so that
+# `import hf_triaccel` needs neither.
+_LAZY = {
+    "TriAccelArguments": "hf_triaccel.integrations.trainer",
+    "TriAccelTrainer": "hf_triaccel.integrations.trainer",
+    "TriAccelPlugin": "hf_triaccel.integrations.plugin",
+    "prepare_triaccel": "hf_triaccel.integrations.plugin",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_triaccel' has no attribute {name!r}")
+
+
 __all__ = [
     "AdaFisher",
     "AdaFisherW",
     "FactorLayout",
     "FisherCollector",
     "FisherRule",
+    "TriAccelArguments",
+    "TriAccelPlugin",
+    "TriAccelTrainer",
     "adafisher",
+    "prepare_triaccel",
     "register_fisher_rule",
 ]

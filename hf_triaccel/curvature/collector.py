@@ -195,20 +195,35 @@ class FisherCollector:
     def fold(self, gamma: float) -> None:
         """Folds the statistics accumulated since the last fold into the factors.
 
-        Averages over micro-batches (and over processes, in one all-reduce, when
-        ``torch.distributed`` is initialised), removes a GradScaler's loss scale from
-        the gradient statistics, and resets the accumulators. Layers that saw no
-        complete forward/backward since the last fold keep their factors.
+        Averages over micro-batches and, when ``torch.distributed`` is initialised,
+        over processes (one all-reduce of every sum and count), removes a GradScaler's
+        loss scale from the gradient statistics, and resets the accumulators. Layers
+        that saw no complete forward/backward since the last fold keep their factors.
+
+        Under data parallelism each process's loss is a mean over its own share of
+        the batch, so its output gradients are ``world_size`` times those of the
+        global-batch loss: gradient statistics are divided by ``world_size**2``, which
+        makes Linear and Conv factors equal to a single process's on the global batch.
+        (Normalisation layers' statistics are squares of batch sums: they are averaged
+        over processes, not equal to the global-batch ones.)
         """
         ready = [ly for ly in self.layers.values() if ly.a_count and ly.g_count]
-        for ly in ready:
-            ly.a_sum.div_(ly.a_count)
-            ly.g_sum.div_(ly.g_count)
-        self._all_reduce([t for ly in ready for t in (ly.a_sum, ly.g_sum)])
+        if not ready:
+            return
+        device = ready[0].a_sum.device
+        counts = torch.tensor(
+            [c for ly in ready for c in (ly.a_count, ly.g_count)], dtype=torch.float32
+        )
+        if device.type == "cuda":  # a pinned source keeps the copy asynchronous
+            counts = counts.pin_memory()
+        counts = counts.to(device, non_blocking=True)
+        sums = [t for ly in ready for t in (ly.a_sum, ly.g_sum)]
+        g_scale = self._all_reduce(sums + [counts])
         scaler = self.grad_scaler
         if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
-            inv_sq = scaler._scale.double().reciprocal().square().float()
-            torch._foreach_mul_([ly.g_sum for ly in ready], inv_sq)
+            g_scale = g_scale * scaler._scale.double().square().float()
+        torch._foreach_div_(sums, list(counts.unbind()))
+        torch._foreach_div_([ly.g_sum for ly in ready], g_scale)
         by_device: dict[torch.device, list[LayerFactors]] = {}
         for ly in ready:
             by_device.setdefault(ly.a_ema.device, []).append(ly)
@@ -227,26 +242,15 @@ class FisherCollector:
             ly.a_count = ly.g_count = 0
 
     @staticmethod
-    def _all_reduce(tensors: list[torch.Tensor]) -> None:
-        """Averages ``tensors`` over processes in one bucketed call."""
-        if not tensors or not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_world_size() == 1:
-            return
+    def _all_reduce(tensors: list[torch.Tensor]) -> torch.Tensor | float:
+        """Sums ``tensors`` over processes in one bucketed call; returns the factor
+        that gradient statistics must be divided by (``world_size**2``)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return 1.0
         flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat.div_(dist.get_world_size())
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-    def to(self, device: torch.device | str) -> FisherCollector:
-        """Moves every factor to ``device`` (in place, keeping tensor identity)."""
-        for ly in self.layers.values():
-            for t in ly.tensors():
-                t.data = t.data.to(device)
-        return self
+        torch._foreach_copy_(tensors, list(flat.split([t.numel() for t in tensors])))
+        return float(dist.get_world_size()) ** 2
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Running factors by layer name (accumulators are not saved: a checkpoint is

@@ -1,0 +1,224 @@
+"""transformers integration: ``TriAccelArguments`` and ``TriAccelTrainer``.
+
+``TrainingArguments(optim=...)`` rejects names it does not know, so the arguments
+subclass accepts ``adafisher`` / ``adafisherw`` (any name transformers knows still
+works) and the Trainer subclass overrides ``create_optimizer``; the Trainer's own
+weight-decay parameter groups are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+
+from hf_triaccel.curvature.fold import EMA_MODES
+from hf_triaccel.dispatch import IMPLS
+from hf_triaccel.integrations.plugin import OPTIMIZERS, TriAccelPlugin, check_distributed_support
+from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TriAccelArguments(TrainingArguments):
+    """``TrainingArguments`` with hf_triaccel's settings (each a CLI flag through
+    ``HfArgumentParser``).
+
+    ``optim`` also accepts ``"adafisher"`` and ``"adafisherw"`` (the default);
+    ``learning_rate`` and ``weight_decay`` are the Trainer's own.
+
+    Example:
+        >>> args = TriAccelArguments(output_dir="out", optim="adafisherw", learning_rate=1e-3)
+        >>> args.to_plugin().optimizer
+        'adafisherw'
+    """
+
+    optim: str = field(
+        default="adafisherw",
+        metadata={
+            "help": "Optimizer: adafisher, adafisherw (Fisher-preconditioned, hf_triaccel) "
+            "or any name transformers' `optim` accepts (e.g. adamw_torch_fused)."
+        },
+    )
+    adafisher_beta: float = field(default=0.9, metadata={"help": "AdaFisher momentum."})
+    adafisher_damping: float = field(
+        default=1e-3, metadata={"help": "AdaFisher: lambda added to every Fisher entry."}
+    )
+    adafisher_gamma: float = field(
+        default=0.8, metadata={"help": "AdaFisher: EMA coefficient of the Fisher factors."}
+    )
+    adafisher_update_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "AdaFisher: refresh the Fisher factors every N optimizer steps "
+            "(default 100 for ema=reference, 1 for ema=paper)."
+        },
+    )
+    adafisher_ema: str = field(
+        default="reference",
+        metadata={"help": "AdaFisher EMA rule: reference (published results) or paper."},
+    )
+    triaccel_impl: str | None = field(
+        default=None,
+        metadata={"help": "Kernels: triton, foreach or reference (default: automatic)."},
+    )
+
+    def __post_init__(self) -> None:
+        name = getattr(self.optim, "value", self.optim)
+        self.optim = str(name).lower() if str(name).lower() in OPTIMIZERS else name
+        ours = self.optim in OPTIMIZERS
+        if ours:
+            self._check_adafisher_fields()
+            chosen, self.optim = self.optim, "adamw_torch"  # let the parent validate the rest
+        super().__post_init__()
+        if ours:
+            self.optim = chosen
+            if self.fsdp or self.deepspeed:
+                raise ValueError(
+                    f"optim={chosen!r} does not support "
+                    f"{'fsdp' if self.fsdp else 'deepspeed'} yet: use DDP or a single device"
+                )
+
+    def _check_adafisher_fields(self) -> None:
+        checks = [
+            ("adafisher_beta", 0.0 <= self.adafisher_beta < 1.0, "needs 0 <= beta < 1"),
+            ("adafisher_damping", self.adafisher_damping > 0.0, "needs > 0"),
+            ("adafisher_gamma", 0.0 < self.adafisher_gamma < 1.0, "needs 0 < gamma < 1"),
+            (
+                "adafisher_update_every",
+                self.adafisher_update_every is None or self.adafisher_update_every >= 1,
+                "needs an integer >= 1",
+            ),
+            ("adafisher_ema", self.adafisher_ema in EMA_MODES, f"must be one of {EMA_MODES}"),
+            (
+                "triaccel_impl",
+                self.triaccel_impl is None or self.triaccel_impl in IMPLS + ("auto",),
+                f"must be one of {IMPLS + ('auto',)}",
+            ),
+            ("learning_rate", self.learning_rate >= 0.0, "needs >= 0"),
+            ("weight_decay", self.weight_decay >= 0.0, "needs >= 0"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"TriAccelArguments.{name}={getattr(self, name)!r}: {why}")
+
+    @property
+    def uses_adafisher(self) -> bool:
+        """Whether ``optim`` names one of hf_triaccel's optimizers."""
+        return self.optim in OPTIMIZERS
+
+    def to_plugin(self) -> TriAccelPlugin:
+        """The :class:`TriAccelPlugin` these arguments describe."""
+        if not self.uses_adafisher:
+            raise ValueError(f"optim={self.optim!r} is not an hf_triaccel optimizer")
+        return TriAccelPlugin(
+            optimizer=self.optim,
+            lr=self.learning_rate,
+            weight_decay=self.weight_decay,
+            beta=self.adafisher_beta,
+            damping=self.adafisher_damping,
+            gamma=self.adafisher_gamma,
+            update_every=self.adafisher_update_every,
+            ema=self.adafisher_ema,
+            impl=self.triaccel_impl,
+        )
+
+
+class TriAccelTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains with AdaFisher and reports its efficiency.
+
+    Works with transformers models and with plain ``nn.Module`` models (timm): for
+    those, the batch's single non-label entry is passed positionally and the loss is
+    cross-entropy on the returned logits (or ``compute_loss_func`` when given).
+
+    Example:
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+        >>> args = TriAccelArguments(output_dir="out", max_steps=2, learning_rate=1e-3)
+        >>> trainer = TriAccelTrainer(model=model, args=args, train_dataset=[])  # doctest: +SKIP
+    """
+
+    def __init__(self, model=None, args: TriAccelArguments | None = None, *a, **kw) -> None:
+        if args is None:
+            args = TriAccelArguments(output_dir="trainer_output")
+        if not isinstance(args, TriAccelArguments):
+            raise TypeError(
+                f"TriAccelTrainer needs TriAccelArguments, got {type(args).__name__}; "
+                "TriAccelArguments accepts every TrainingArguments field"
+            )
+        self._plain_model = model is not None and not isinstance(model, PreTrainedModel)
+        if self._plain_model and args.remove_unused_columns:
+            # the column filter reads forward()'s signature, which says nothing useful
+            # for a plain module such as timm's forward(x)
+            logger.info("plain nn.Module model: keeping every dataset column")
+            args.remove_unused_columns = False
+        super().__init__(model, args, *a, **kw)
+        if self._plain_model and self.args.label_names is None:
+            self.label_names = ["labels"]
+        if args.uses_adafisher:
+            check_distributed_support(self.accelerator.distributed_type)
+            if args.torch_compile:
+                warnings.warn(
+                    "torch_compile with AdaFisher: the Fisher statistics hooks run Python on "
+                    "refresh steps, which breaks the compiled graph there; steps in between "
+                    "run compiled",
+                    stacklevel=2,
+                )
+        self.telemetry = EfficiencyTelemetry()
+        self.add_callback(self.telemetry)
+
+    @property
+    def collector(self):
+        """The Fisher collector of the optimizer (``None`` before it is created)."""
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)
+        return getattr(opt, "collector", None)
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        if self.optimizer is None and self.args.uses_adafisher:
+            if self.optimizer_cls_and_kwargs is not None:
+                raise ValueError(
+                    f"optim={self.args.optim!r} and optimizer_cls_and_kwargs were both given"
+                )
+            plugin = self.args.to_plugin()
+            opt_model = self.model if model is None else model
+            collector = plugin.build_collector(self.accelerator.unwrap_model(opt_model))
+            collector.grad_scaler = self.accelerator.scaler
+            self.optimizer_cls_and_kwargs = (
+                OPTIMIZERS[plugin.optimizer],
+                {"collector": collector, **plugin.optimizer_kwargs()},
+            )
+        return super().create_optimizer(model)
+
+    def compute_loss(
+        self,
+        model,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch=None,
+    ):
+        if not self._plain_model:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        features = {k: v for k, v in inputs.items() if k != "labels"}
+        if "labels" not in inputs or len(features) != 1:
+            raise ValueError(
+                "a plain nn.Module model needs batches with 'labels' and exactly one input "
+                f"entry; got keys {sorted(inputs)}"
+            )
+        logits = model(next(iter(features.values())))
+        labels = inputs["labels"]
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(logits, labels, num_items_in_batch=num_items_in_batch)
+        else:
+            loss = F.cross_entropy(logits.float(), labels)
+        return (loss, {"logits": logits}) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log, not an evaluation one
+            logs.update(self.telemetry.window_metrics())
+        super().log(logs, start_time)

@@ -1,0 +1,59 @@
+"""TriAccelPlugin and prepare_triaccel with an Accelerator (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+accelerate = pytest.importorskip("accelerate")
+
+from hf_triaccel.integrations.plugin import (  # noqa: E402
+    TriAccelPlugin,
+    check_distributed_support,
+    prepare_triaccel,
+)
+
+
+def test_environment_fallbacks_apply_only_to_unset_fields(monkeypatch):
+    monkeypatch.setenv("HF_TRIACCEL_OPTIMIZER", "adafisher")
+    monkeypatch.setenv("HF_TRIACCEL_LR", "0.01")
+    plugin = TriAccelPlugin(lr=0.5)
+    assert plugin.optimizer == "adafisher"
+    assert plugin.lr == 0.5
+    assert TriAccelPlugin().lr == 0.01
+
+
+@pytest.mark.parametrize("kwargs, match", [({"optimizer": "sgd"}, "optimizer"), ({"ema": "x"}, "ema"),
+                                           ({"impl": "fast"}, "impl")])
+def test_bad_plugin_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TriAccelPlugin(**kwargs)
+
+
+def test_prepare_returns_a_training_loop_kit():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(16, 6), torch.randint(0, 3, (16,))),
+        batch_size=4,
+    )
+    accelerator = accelerate.Accelerator(cpu=True)
+    run = prepare_triaccel(accelerator, model, TriAccelPlugin(lr=1e-2, update_every=1), data)
+    (loader,) = run.others
+    before = [p.detach().clone() for p in run.model.parameters()]
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(run.model(x), y)
+        accelerator.backward(loss)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    assert run.optimizer.optimizer.fisher_steps == 4
+    assert sorted(run.collector.layers) == ["0", "2"]
+    for b, p in zip(before, run.model.parameters(), strict=True):
+        assert not torch.equal(b, p)
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
+def test_sharded_modes_are_refused(kind):
+    with pytest.raises(NotImplementedError, match="DDP"):
+        check_distributed_support(getattr(accelerate.utils.DistributedType, kind))
