@@ -10,6 +10,7 @@ optimizer's decision. Factors are saved by layer name.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,9 @@ from torch.utils.hooks import RemovableHandle
 from hf_triaccel.curvature.fold import fold_factors
 from hf_triaccel.curvature.rules import FactorLayout, FisherRule, rule_for
 
-_ATTACHED = "_hf_triaccel_collector"
+# model -> its collector; weak, and outside the model so that copies of the model
+# (EMA or teacher copies) do not carry it
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, FisherCollector] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -30,7 +33,9 @@ class LayerFactors:
     ``a`` and ``g`` are what the preconditioner reads; ``a_ema`` / ``g_ema`` the
     running averages (the same tensors in ``ema="reference"`` mode). ``a_sum`` /
     ``g_sum`` accumulate the statistics of the current optimizer step over its
-    micro-batches; ``a_count`` / ``g_count`` count them.
+    micro-batches; ``a_count`` / ``g_count`` count them. ``output_module`` is where
+    the output gradient is taken (the module itself, or a submodule before a fused
+    activation); ``pending_a`` holds activation statistics waiting for their gradient.
     """
 
     name: str
@@ -43,8 +48,10 @@ class LayerFactors:
     g: torch.Tensor
     a_sum: torch.Tensor
     g_sum: torch.Tensor
+    output_module: nn.Module | None = None
     a_count: int = 0
     g_count: int = 0
+    pending_a: list[torch.Tensor] = field(default_factory=list)
     handles: list[RemovableHandle] = field(default_factory=list)
 
     @property
@@ -96,7 +103,7 @@ class FisherCollector:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if ema not in ("reference", "paper"):
             raise ValueError(f"ema={ema!r} is not one of ('reference', 'paper')")
-        previous = getattr(model, _ATTACHED, None)
+        previous = _ATTACHED.get(model)
         if previous is not None and previous.attached:
             warnings.warn(
                 "the model already had a FisherCollector: its hooks were removed so that "
@@ -118,8 +125,8 @@ class FisherCollector:
             if rule is None or name in exclude:
                 continue
             self._add_layer(name, module, rule)
-        setattr(model, _ATTACHED, self)
-        self._model_ref = model
+        _ATTACHED[model] = self
+        self._model_ref = weakref.ref(model)
 
     def _add_layer(self, name: str, module: nn.Module, rule: FisherRule) -> None:
         layouts = rule.layouts(module)
@@ -151,10 +158,12 @@ class FisherCollector:
             g=torch.ones_like(g_ema) if paper else g_ema,
             a_sum=torch.zeros(a_len, device=device),
             g_sum=torch.zeros(g_len, device=device),
+            output_module=rule.output_module(module),
         )
         layer.handles.append(
-            module.register_forward_hook(self._forward_hook(layer), with_kwargs=True)
+            module.register_forward_pre_hook(self._pre_hook(layer), with_kwargs=True)
         )
+        layer.handles.append(layer.output_module.register_forward_hook(self._output_hook(layer)))
         self.layers[name] = layer
         for attr, p in owned.items():
             self._by_param[p] = ParamFactors(layer.g, layer.a, layer.layouts[attr])
@@ -164,24 +173,41 @@ class FisherCollector:
         """Whether the hooks are still registered."""
         return any(layer.handles for layer in self.layers.values())
 
-    def _forward_hook(self, layer: LayerFactors):
-        def hook(module, args, kwargs, output):
-            if not self.collecting or not isinstance(output, torch.Tensor):
-                return
-            if not output.requires_grad:  # evaluation or no_grad: no gradient will come
+    def _pre_hook(self, layer: LayerFactors):
+        """Takes the activation statistic from the module input, before its forward."""
+
+        def hook(module, args, kwargs):
+            # a deep copy of the model shares these closures: ignore the copy's calls
+            if not self.collecting or module is not layer.module or not torch.is_grad_enabled():
                 return
             x = args[0] if args else next(iter(kwargs.values()))
             if layer.a_sum.device != layer.device:  # the model moved since the last call
                 for t in layer.tensors():
                     t.data = t.data.to(layer.device)
             with torch.no_grad():
-                a = layer.rule.a_stat(module, x.detach(), self.impl)
-                layer.a_sum.add_(a)
-            layer.a_count += 1
+                layer.pending_a.append(layer.rule.a_stat(module, x.detach(), self.impl))
+
+        return hook
+
+    def _output_hook(self, layer: LayerFactors):
+        """Pairs the pending activation statistic with the gradient of the output.
+
+        The statistic is added only when the gradient arrives, so a forward that no
+        backward follows (an evaluation pass with autograd on) leaves no trace.
+        """
+
+        def hook(module, args, output):
+            if module is not layer.output_module or not layer.pending_a:
+                return
+            a = layer.pending_a.pop()
+            if not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
 
             def grad_hook(grad: torch.Tensor) -> None:
                 with torch.no_grad():
-                    layer.g_sum.add_(layer.rule.g_stat(module, grad, self.impl))
+                    layer.a_sum.add_(a)
+                    layer.g_sum.add_(layer.rule.g_stat(layer.module, grad, self.impl))
+                layer.a_count += 1
                 layer.g_count += 1
 
             output.register_hook(grad_hook)
@@ -208,8 +234,15 @@ class FisherCollector:
         over processes, not equal to the global-batch ones.)
         """
         ready = [ly for ly in self.layers.values() if ly.a_count and ly.g_count]
-        if not ready:
-            return
+        if ready:
+            self._fold_ready(ready, gamma)
+        for ly in self.layers.values():
+            ly.a_sum.zero_()
+            ly.g_sum.zero_()
+            ly.a_count = ly.g_count = 0
+            ly.pending_a.clear()
+
+    def _fold_ready(self, ready: list[LayerFactors], gamma: float) -> None:
         device = ready[0].a_sum.device
         counts = torch.tensor(
             [c for ly in ready for c in (ly.a_count, ly.g_count)], dtype=torch.float32
@@ -236,10 +269,6 @@ class FisherCollector:
                 gamma,
                 self.impl,
             )
-        for ly in self.layers.values():
-            ly.a_sum.zero_()
-            ly.g_sum.zero_()
-            ly.a_count = ly.g_count = 0
 
     @staticmethod
     def _all_reduce(tensors: list[torch.Tensor]) -> torch.Tensor | float:
@@ -256,8 +285,12 @@ class FisherCollector:
         """Running factors by layer name (accumulators are not saved: a checkpoint is
         taken between optimizer steps, when they are empty)."""
         return {
-            name: {"a": ly.a_ema.clone(), "g": ly.g_ema.clone(), "a_used": ly.a.clone(),
-                   "g_used": ly.g.clone()}
+            name: {
+                "a": ly.a_ema.clone(),
+                "g": ly.g_ema.clone(),
+                "a_used": ly.a.clone(),
+                "g_used": ly.g.clone(),
+            }
             for name, ly in self.layers.items()
         }
 
@@ -287,8 +320,9 @@ class FisherCollector:
             for h in ly.handles:
                 h.remove()
             ly.handles.clear()
-        if getattr(self._model_ref, _ATTACHED, None) is self:
-            delattr(self._model_ref, _ATTACHED)
+        model = self._model_ref()
+        if model is not None and _ATTACHED.get(model) is self:
+            del _ATTACHED[model]
 
     def __enter__(self) -> FisherCollector:
         return self

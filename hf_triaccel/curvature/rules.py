@@ -20,6 +20,7 @@ custom module class.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -80,6 +81,11 @@ class FisherRule:
         """Gradient statistic (float32, length g) from the gradient of the module's output."""
         raise NotImplementedError
 
+    def output_module(self, module: nn.Module) -> nn.Module:
+        """The module whose output gradient ``g_stat`` reads: ``module`` itself, unless
+        its forward applies something (an activation) after the parameterised op."""
+        return module
+
 
 def _with_ones(a: torch.Tensor, value: float, bias: bool) -> torch.Tensor:
     """Appends the bias column's statistic when the module has a bias."""
@@ -138,10 +144,16 @@ def _conv_geometry(module: nn.Module, spatial: tuple[int, ...]):
     return dims
 
 
+@functools.lru_cache(maxsize=512)
 def _window_selector(
     n: int, k: int, s: int, d: int, left: int, out: int, device, dtype=torch.float32
 ) -> torch.Tensor:
-    """(k, n) count matrix: entry [p, h] is how many windows read input position h at tap p."""
+    """(k, n) 0/1 matrix: entry [p, h] says input position h sits at kernel tap p of some window.
+
+    Cached: it depends only on the geometry, and building it takes several small
+    launches that would otherwise repeat for every conv layer on every refresh step.
+    The returned tensor is shared: callers must not modify it.
+    """
     taps = torch.arange(k, device=device).unsqueeze(1)
     starts = torch.arange(out, device=device).unsqueeze(0) * s - left
     pos = starts + taps * d  # (k, out): the input position each tap of each window reads
@@ -183,7 +195,7 @@ class ConvRule(FisherRule):
     bias, divided by B * L * D (L output positions, D patch length; the published
     scaling). The unfold is never formed: the batch-sum of x^2 is taken once per input
     position, then each kernel tap gathers the positions its windows visit through a
-    small count selector per spatial dim.
+    small 0/1 selector per spatial dim.
     g = mean over B * L of the squared output gradient, per output channel.
     """
 
@@ -292,6 +304,20 @@ def _channels_first(module: nn.Module, shape: torch.Size) -> bool:
     return len(ns) == 1 and len(shape) >= 3 and tuple(shape[-1:]) != ns and shape[1] == ns[0]
 
 
+def _before_activation(module: nn.Module) -> nn.Module:
+    """timm's norm-act layers (``BatchNormAct2d``, ``GroupNormAct``...) run
+    norm -> ``drop`` -> ``act`` in one forward: the norm's output gradient is the
+    gradient of ``drop``'s output, not of the module's."""
+    act, drop = getattr(module, "act", None), getattr(module, "drop", None)
+    if (
+        isinstance(act, nn.Module)
+        and not isinstance(act, nn.Identity)
+        and isinstance(drop, nn.Module)
+    ):
+        return drop
+    return module
+
+
 class ChannelNormRule(FisherRule):
     """BatchNorm (1d/2d/3d, and subclasses such as timm's BatchNormAct2d) and GroupNorm.
 
@@ -311,6 +337,9 @@ class ChannelNormRule(FisherRule):
 
     def g_stat(self, module, grad, impl):
         return _channel_stat(grad, impl)
+
+    def output_module(self, module):
+        return _before_activation(module)
 
 
 class LastDimNormRule(FisherRule):
@@ -346,6 +375,9 @@ class LastDimNormRule(FisherRule):
         batch = grad.shape[0] if grad.dim() > len(ns) else 1
         s = sum_rows(grad.reshape(-1, n), False, impl)
         return s * s / batch
+
+    def output_module(self, module):
+        return _before_activation(module)
 
 
 class EmbeddingRule(FisherRule):
@@ -401,8 +433,19 @@ def register_fisher_rule(module_type: type, rule: FisherRule) -> None:
     _RULES[module_type] = rule
 
 
+# nn.MultiheadAttention's out_proj: a Linear whose weight the attention reads directly,
+# never calling the module, so its hooks would never fire and its factors never refresh
+_NEVER_CALLED = getattr(nn.modules.linear, "NonDynamicallyQuantizableLinear", None)
+
+
 def rule_for(module: nn.Module) -> FisherRule | None:
-    """The rule for ``module``'s class or its nearest registered base, else ``None``."""
+    """The rule for ``module``'s class or its nearest registered base, else ``None``.
+
+    ``nn.MultiheadAttention``'s ``out_proj`` gets ``None``: the attention uses its
+    weight without calling it, so no statistic can be taken there.
+    """
+    if _NEVER_CALLED is not None and type(module) is _NEVER_CALLED:
+        return None
     for cls in type(module).__mro__:
         if cls in _RULES:
             return _RULES[cls]

@@ -99,8 +99,14 @@ class TriAccelPlugin:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if getattr(self, f.name) is None:
-                kind = {"lr": float, "weight_decay": float, "beta": float, "damping": float,
-                        "gamma": float, "update_every": int}.get(f.name, str)
+                kind = {
+                    "lr": float,
+                    "weight_decay": float,
+                    "beta": float,
+                    "damping": float,
+                    "gamma": float,
+                    "update_every": int,
+                }.get(f.name, str)
                 env = _env_default(f.name, kind)
                 setattr(self, f.name, env if env is not None else self._DEFAULTS[f.name])
         self.optimizer = str(self.optimizer).lower()

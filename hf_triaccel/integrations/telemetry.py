@@ -29,7 +29,9 @@ def environment() -> dict[str, Any]:
     """Device name and package versions, for reports and benchmarks."""
     cuda = torch.cuda.is_available()
     return {
-        "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or 'unknown'})",
+        "device": torch.cuda.get_device_name()
+        if cuda
+        else f"cpu ({platform.processor() or 'unknown'})",
         "versions": {
             name: _version(name)
             for name in ("hf-triaccel", "torch", "triton", "transformers", "accelerate", "timm")

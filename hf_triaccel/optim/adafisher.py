@@ -77,9 +77,7 @@ class AdaFisher(Optimizer):
         if not isinstance(update_every, int) or update_every < 1:
             raise ValueError(f"invalid update_every: {update_every!r} (needs an int >= 1)")
         if collector is not None and not isinstance(collector, FisherCollector):
-            raise TypeError(
-                f"collector must be a FisherCollector, got {type(collector).__name__}"
-            )
+            raise TypeError(f"collector must be a FisherCollector, got {type(collector).__name__}")
         if collector is not None and collector.ema != ema:
             raise ValueError(f"ema={ema!r} but the collector was built with ema={collector.ema!r}")
         validate_impl(impl)

@@ -27,8 +27,10 @@ def make_model() -> nn.Module:
 def make_data():
     gen = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(GLOBAL_BATCH, 3, 6, 6, generator=gen),
-         torch.randint(0, 5, (GLOBAL_BATCH,), generator=gen))
+        (
+            torch.randn(GLOBAL_BATCH, 3, 6, 6, generator=gen),
+            torch.randint(0, 5, (GLOBAL_BATCH,), generator=gen),
+        )
         for _ in range(STEPS)
     ]
 
@@ -37,7 +39,7 @@ def train(model, forward_model, data, rank: int = 0, world: int = 1):
     opt = AdaFisherW.from_model(model, lr=1e-2, weight_decay=1e-3, update_every=2)
     share = GLOBAL_BATCH // world
     for x, y in data:
-        xs, ys = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
         F.cross_entropy(forward_model(xs), ys).backward()
         opt.step()
         opt.zero_grad()
@@ -52,8 +54,10 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
         opt = train(model, ddp, make_data(), rank, world)
         if rank == 0:
             torch.save(
-                {"params": [p.detach() for p in model.parameters()],
-                 "factors": opt.collector.state_dict()},
+                {
+                    "params": [p.detach() for p in model.parameters()],
+                    "factors": opt.collector.state_dict(),
+                },
                 out,
             )
     finally:

@@ -24,8 +24,10 @@ def test_environment_fallbacks_apply_only_to_unset_fields(monkeypatch):
     assert TriAccelPlugin().lr == 0.01
 
 
-@pytest.mark.parametrize("kwargs, match", [({"optimizer": "sgd"}, "optimizer"), ({"ema": "x"}, "ema"),
-                                           ({"impl": "fast"}, "impl")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"optimizer": "sgd"}, "optimizer"), ({"ema": "x"}, "ema"), ({"impl": "fast"}, "impl")],
+)
 def test_bad_plugin_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TriAccelPlugin(**kwargs)

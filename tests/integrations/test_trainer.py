@@ -75,7 +75,9 @@ def test_timm_model_trains_and_reports(tmp_path):
     model = tiny_timm()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = TriAccelTrainer(
-        model=model, args=make_args(tmp_path, max_steps=4), train_dataset=ImageSet(),
+        model=model,
+        args=make_args(tmp_path, max_steps=4),
+        train_dataset=ImageSet(),
         eval_dataset=ImageSet(16, seed=1),
     )
     trainer.train()
@@ -91,7 +93,10 @@ def test_timm_model_trains_and_reports(tmp_path):
     assert logs and all("step_time_ms" in e and e["samples_per_second"] > 0 for e in logs)
     report = json.loads((tmp_path / REPORT_NAME).read_text())
     assert report["optimizer_steps"] == 4 and report["samples"] == 32
-    assert report["versions"]["torch"] == torch.__version__.split("+")[0] or report["versions"]["torch"]
+    assert (
+        report["versions"]["torch"] == torch.__version__.split("+")[0]
+        or report["versions"]["torch"]
+    )
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] > 0
 
@@ -99,8 +104,12 @@ def test_timm_model_trains_and_reports(tmp_path):
 def test_gpt2_trains_with_gradient_accumulation(tmp_path):
     model = tiny_gpt2()
     args = make_args(
-        tmp_path, max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        optim="adafisher", weight_decay=0.01,
+        tmp_path,
+        max_steps=3,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        optim="adafisher",
+        weight_decay=0.01,
     )
     trainer = TriAccelTrainer(model=model, args=args, train_dataset=TokenSet())
     trainer.train()
@@ -112,7 +121,8 @@ def test_gpt2_trains_with_gradient_accumulation(tmp_path):
 
 def test_other_optimizers_still_work(tmp_path):
     trainer = TriAccelTrainer(
-        model=tiny_gpt2(), args=make_args(tmp_path, max_steps=1, optim="adamw_torch"),
+        model=tiny_gpt2(),
+        args=make_args(tmp_path, max_steps=1, optim="adamw_torch"),
         train_dataset=TokenSet(),
     )
     trainer.train()

@@ -15,13 +15,31 @@ def _normalise(x: torch.Tensor) -> torch.Tensor:
 class OracleAdaFisher:
     """Unfused AdaFisher(W) on a float64 copy of ``model`` (Conv2d, BatchNorm2d, Linear)."""
 
-    def __init__(self, model, *, lr, beta=0.9, damping=1e-3, gamma=0.8, update_every=100,
-                 weight_decay=0.0, decoupled=False, ema="reference"):
+    def __init__(
+        self,
+        model,
+        *,
+        lr,
+        beta=0.9,
+        damping=1e-3,
+        gamma=0.8,
+        update_every=100,
+        weight_decay=0.0,
+        decoupled=False,
+        ema="reference",
+    ):
         self.model = model
         self.lr, self.beta, self.damping, self.gamma = lr, beta, damping, gamma
-        self.update_every, self.wd, self.decoupled, self.ema = update_every, weight_decay, decoupled, ema
+        self.update_every, self.wd, self.decoupled, self.ema = (
+            update_every,
+            weight_decay,
+            decoupled,
+            ema,
+        )
         self.t = 0
-        self.layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.Linear))]
+        self.layers = [
+            m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.Linear))
+        ]
         self.A = {m: None for m in self.layers}
         self.G = {m: None for m in self.layers}
         self.mom = {p: torch.zeros_like(p) for p in model.parameters()}
@@ -44,7 +62,9 @@ class OracleAdaFisher:
                 a = torch.cat([a, a.new_ones(1)])
             g = (go * go).mean(0)
         elif isinstance(m, nn.Conv2d):
-            cols = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
+            cols = F.unfold(
+                x, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride
+            )
             rows = cols.transpose(1, 2).reshape(-1, cols.shape[1])  # (B*L, D)
             d = rows.shape[1]
             if m.bias is not None:

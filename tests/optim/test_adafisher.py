@@ -89,7 +89,11 @@ def test_reference_matches_float64_oracle(cls, ema):
         model, lr=1e-2, weight_decay=1e-2, update_every=3, ema=ema, impl="reference"
     )
     oracle = OracleAdaFisher(
-        oracle_model, lr=1e-2, weight_decay=1e-2, update_every=3, ema=ema,
+        oracle_model,
+        lr=1e-2,
+        weight_decay=1e-2,
+        update_every=3,
+        ema=ema,
         decoupled=cls is AdaFisherW,
     )
     for x, y in batches(8, seed=1):
@@ -283,7 +287,9 @@ def test_loss_scale_is_removed_from_statistics():
     (F.cross_entropy(scaled(x), y) * 1024.0).backward()
     opt_s.step()
     for name, layer in opt.collector.layers.items():
-        torch.testing.assert_close(opt_s.collector.layers[name].g_ema, layer.g_ema, rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            opt_s.collector.layers[name].g_ema, layer.g_ema, rtol=1e-5, atol=0
+        )
 
 
 def test_statistics_are_taken_only_on_refresh_steps():

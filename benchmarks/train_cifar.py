@@ -1,0 +1,243 @@
+"""CIFAR-10 accuracy and training time of one optimizer: timm ``resnet18_cifar``, batch 512.
+
+The acceptance comparison: run it once per optimizer, on the same GPU, and compare the
+JSON lines. Every run trains under bf16 autocast with a one-cycle learning-rate schedule
+and label smoothing 0.1, from data decoded once and kept on the GPU
+(:class:`~hf_triaccel.data.images.GPUBatchLoader`: random crop with 4-pixel zero padding
+and horizontal flip, done per batch on the GPU).
+
+Reported, as one JSON line on stdout (and in ``--out FILE``):
+
+- ``train_seconds``: wall time of all training steps, the GPU synchronised before the
+  clock starts and before it stops; data decoding (``decode_seconds``) and the test pass
+  (``eval_seconds``) are timed separately;
+- ``epoch_seconds``: per epoch (the loss is read back once per epoch); the first epoch
+  includes cuDNN autotuning, so ``images_per_second`` is taken over the other epochs;
+- ``test_accuracy`` after the last epoch, ``peak_memory_gib`` of the whole run
+  (``torch.cuda.max_memory_allocated``, the data set on the GPU included).
+
+Default hyperparameters per optimizer (``--lr`` / ``--weight_decay`` override them):
+AdamW (fused) lr 3e-3, weight decay 0.05; AdaFisher lr 3e-3 and AdaFisherW lr 1e-2, both
+weight decay 5e-4, gamma 0.8, factors refreshed every 100 steps. The published AdaFisher
+lr of 1e-3 underfits in this 30-epoch one-cycle setting (BENCHMARKS.md has the sweep).
+
+Usage:
+    python benchmarks/train_cifar.py --data /path/to/cifar10 --optimizer adamw --out adamw.json
+    python benchmarks/train_cifar.py --data /path/to/cifar10 --optimizer adafisherw
+    python benchmarks/train_cifar.py --epochs 2 --optimizer adafisher   # embedded slice
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_triaccel.data.images import GPUBatchLoader, load_image_dataset
+from hf_triaccel.integrations.timm_models import create_cifar_model
+from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+
+DEFAULTS = {
+    "adamw": {"lr": 3e-3, "weight_decay": 0.05},
+    "adafisherw": {"lr": 1e-2, "weight_decay": 5e-4},
+    "adafisher": {"lr": 3e-3, "weight_decay": 5e-4},
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command-line flags, with the optimizer's defaults filled in."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--data",
+        default="embedded",
+        help="folder with train.parquet and test.parquet (Hub layout), or 'embedded'",
+    )
+    parser.add_argument("--optimizer", choices=tuple(DEFAULTS), default="adafisherw")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch_size", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    parser.add_argument("--weight_decay", type=float, default=None)
+    parser.add_argument("--label_smoothing", type=float, default=0.1)
+    parser.add_argument(
+        "--impl",
+        default=None,
+        choices=("triton", "foreach", "reference"),
+        help="AdaFisher implementation (default: automatic)",
+    )
+    parser.add_argument("--channels_last", action="store_true", help="channels-last model/data")
+    parser.add_argument("--model", default="resnet18_cifar")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--max_steps", type=int, default=None, help="stop early (for quick checks of the script)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
+    args = parser.parse_args(argv)
+    for key, value in DEFAULTS[args.optimizer].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.device = torch.device(args.device)
+    return args
+
+
+def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW (fused on CUDA), or AdaFisher(W) with its collector built from ``model``."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(),
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            fused=args.device.type == "cuda",
+        )
+    cls = AdaFisherW if args.optimizer == "adafisherw" else AdaFisher
+    return cls.from_model(model, lr=args.lr, weight_decay=args.weight_decay, impl=args.impl)
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for queued GPU work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Decodes the data, trains, evaluates; returns the result record."""
+    device = args.device
+    cuda = device.type == "cuda"
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(args.seed)
+
+    start = time.perf_counter()
+    train_data = load_image_dataset(args.data, "train")
+    test_data = load_image_dataset(args.data, "test")
+    decode_seconds = time.perf_counter() - start
+    mean, std = train_data.channel_stats()
+    loader_args = dict(device=device, mean=mean, std=std, channels_last=args.channels_last)
+    train_loader = GPUBatchLoader(
+        train_data,
+        args.batch_size,
+        shuffle=True,
+        augment=True,
+        drop_last=True,
+        seed=args.seed,
+        **loader_args,
+    )
+    test_loader = GPUBatchLoader(test_data, 1024, **loader_args)
+
+    model = create_cifar_model(args.model, num_classes=train_data.num_classes).to(device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(args, model)
+    total_steps = args.epochs * len(train_loader)
+    if args.max_steps is not None:
+        total_steps = min(total_steps, args.max_steps)
+    # AdaFisher has no Adam betas to cycle: momentum stays fixed for every optimizer
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=args.lr, total_steps=total_steps, cycle_momentum=False
+    )
+
+    epoch_seconds, epoch_steps, epoch_loss, epoch_accuracy = [], [], [], []
+    step = 0
+    synchronize(device)
+    train_start = time.perf_counter()
+    for _ in range(math.ceil(total_steps / len(train_loader))):
+        epoch_start = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        seen = 0
+        for images, labels in train_loader:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                logits = model(images)
+                loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            loss_sum += loss.detach() * len(labels)
+            correct += (logits.argmax(dim=1) == labels).sum()
+            seen += len(labels)
+            step += 1
+            if step == total_steps:
+                break
+        # .item() synchronises: the epoch time below covers all of its GPU work
+        epoch_loss.append(loss_sum.item() / seen)
+        epoch_accuracy.append(correct.item() / seen)
+        epoch_seconds.append(time.perf_counter() - epoch_start)
+        epoch_steps.append(seen // args.batch_size)
+        print(
+            f"epoch {len(epoch_seconds)}: loss {epoch_loss[-1]:.4f}, "
+            f"accuracy {100 * epoch_accuracy[-1]:.2f}%, {epoch_seconds[-1]:.2f} s",
+            file=sys.stderr,
+        )
+    synchronize(device)
+    train_seconds = time.perf_counter() - train_start
+
+    eval_start = time.perf_counter()
+    model.eval()
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+        for images, labels in test_loader:
+            correct += (model(images).argmax(dim=1) == labels).sum()
+    test_accuracy = correct.item() / len(test_data)
+    eval_seconds = time.perf_counter() - eval_start
+
+    # the first epoch carries cuDNN autotuning and warm-up: leave it out when there are more
+    first = 1 if len(epoch_seconds) > 1 else 0
+    images_per_second = sum(epoch_steps[first:]) * args.batch_size / sum(epoch_seconds[first:])
+    return {
+        "optimizer": args.optimizer,
+        "model": args.model,
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "label_smoothing": args.label_smoothing,
+        "impl": args.impl,
+        "epochs": len(epoch_seconds),
+        "steps": step,
+        "batch_size": args.batch_size,
+        "channels_last": args.channels_last,
+        "seed": args.seed,
+        "data": args.data,
+        "train_images": len(train_data),
+        "test_images": len(test_data),
+        "test_accuracy": test_accuracy,
+        "final_train_loss": epoch_loss[-1],
+        "final_train_accuracy": epoch_accuracy[-1],
+        "train_seconds": train_seconds,
+        "epoch_seconds": epoch_seconds,
+        "images_per_second": images_per_second,
+        "decode_seconds": decode_seconds,
+        "eval_seconds": eval_seconds,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "device": torch.cuda.get_device_name(device) if cuda else str(device),
+        "torch": torch.__version__,
+        "timm": version("timm"),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs one training and prints (and optionally writes) its JSON line.
+
+    Example:
+        >>> main(["--optimizer", "adamw", "--epochs", "1"])  # doctest: +SKIP
+    """
+    args = parse_args(argv)
+    result = run(args)
+    line = json.dumps(result)
+    print(line)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(line + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

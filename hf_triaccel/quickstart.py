@@ -1,0 +1,226 @@
+"""A short, real training run: a CIFAR ResNet-18 from timm trained with AdaFisherW.
+
+Run it as::
+
+    python -m hf_triaccel.quickstart                          # embedded CIFAR-10 slice
+    python -m hf_triaccel.quickstart --data uoft-cs/cifar10   # full data set from the Hub
+    python -m hf_triaccel.quickstart --data ./cifar10 --epochs 10 --optimizer adamw
+
+The images are decoded once into a uint8 tensor on the device and batched, augmented and
+normalised there (:class:`~hf_triaccel.data.images.GPUBatchLoader`); the learning rate
+follows a one-cycle schedule. It prints the training loss and accuracy of every epoch, the
+test accuracy and the total time.
+
+On a CPU the default run is shortened to :data:`CPU_DEFAULT_STEPS` optimizer steps so that
+it finishes in a few minutes; ``--max_steps`` overrides that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from hf_triaccel.data.images import GPUBatchLoader, ImageTensors, load_image_dataset
+from hf_triaccel.integrations.timm_models import create_cifar_model
+from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+
+OPTIMIZERS = ("adafisherw", "adafisher", "adamw")
+# (learning rate, weight decay) per optimizer: the published AdaFisher CIFAR settings,
+# and a usual AdamW setting for a one-cycle schedule
+DEFAULT_HYPERPARAMETERS = {
+    "adafisherw": (1e-3, 5e-4),
+    "adafisher": (1e-3, 5e-4),
+    "adamw": (2e-3, 5e-2),
+}
+CPU_DEFAULT_STEPS = 50
+
+
+def build_optimizer(
+    name: str, model: nn.Module, lr: float, weight_decay: float
+) -> torch.optim.Optimizer:
+    """The optimizer ``name`` (one of :data:`OPTIMIZERS`) for every parameter of ``model``.
+
+    Example:
+        >>> opt = build_optimizer("adafisherw", nn.Linear(4, 2), lr=1e-3, weight_decay=5e-4)
+    """
+    if name == "adafisherw":
+        return AdaFisherW.from_model(model, lr=lr, weight_decay=weight_decay)
+    if name == "adafisher":
+        return AdaFisher.from_model(model, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        fused = next(model.parameters()).is_cuda
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=fused)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: GPUBatchLoader, bf16: bool) -> float:
+    """Top-1 accuracy of ``model`` over one pass of ``loader``.
+
+    Example:
+        >>> accuracy = evaluate(model, test_loader, bf16=False)  # doctest: +SKIP
+    """
+    model.eval()
+    correct = torch.zeros((), dtype=torch.long, device=loader.data.device)
+    for images, labels in loader:
+        with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=bf16):
+            correct += (model(images).argmax(dim=1) == labels).sum()
+    model.train()
+    return correct.item() / len(loader.data)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command-line flags (see ``python -m hf_triaccel.quickstart --help``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_triaccel.quickstart",
+        description="Train a CIFAR ResNet-18 (timm) with AdaFisherW for a few minutes.",
+    )
+    parser.add_argument(
+        "--data",
+        default="embedded",
+        help="'embedded' (CIFAR-10 slice in the package), a folder of {split}.parquet files, "
+        "a .parquet file or a Hub dataset id such as uoft-cs/cifar10",
+    )
+    parser.add_argument("--test_split", default="test", help="split to report accuracy on")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument(
+        "--max_steps",
+        type=int,
+        default=None,
+        help=f"stop after this many optimizer steps (CPU default: {CPU_DEFAULT_STEPS})",
+    )
+    parser.add_argument("--batch_size", type=int, default=128)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adafisherw")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    parser.add_argument("--weight_decay", type=float, default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast (default: on for CUDA)",
+    )
+    args = parser.parse_args(argv)
+    default_lr, default_wd = DEFAULT_HYPERPARAMETERS[args.optimizer]
+    args.lr = default_lr if args.lr is None else args.lr
+    args.weight_decay = default_wd if args.weight_decay is None else args.weight_decay
+    args.device = torch.device(args.device)
+    args.bf16 = args.device.type == "cuda" if args.bf16 is None else args.bf16
+    if args.max_steps is None and args.device.type == "cpu":
+        args.max_steps = CPU_DEFAULT_STEPS
+    return args
+
+
+def train(
+    args: argparse.Namespace, train_data: ImageTensors, test_data: ImageTensors
+) -> dict[str, Any]:
+    """Trains a fresh ``resnet18_cifar`` as ``args`` says; returns the run's figures."""
+    torch.manual_seed(args.seed)
+    device = args.device
+    model = create_cifar_model("resnet18_cifar", num_classes=train_data.num_classes).to(device)
+    optimizer = build_optimizer(args.optimizer, model, args.lr, args.weight_decay)
+    mean, std = train_data.channel_stats()
+    train_loader = GPUBatchLoader(
+        train_data,
+        args.batch_size,
+        shuffle=True,
+        augment=True,
+        drop_last=True,
+        seed=args.seed,
+        device=device,
+        mean=mean,
+        std=std,
+    )
+    test_loader = GPUBatchLoader(test_data, 2 * args.batch_size, device=device, mean=mean, std=std)
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise ValueError(f"batch size {args.batch_size} exceeds the {len(train_data)} samples")
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps is not None:
+        total_steps = min(total_steps, args.max_steps)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        # AdaFisher has no Adam-style betas to cycle; keep momentum fixed for every optimizer
+        optimizer,
+        max_lr=args.lr,
+        total_steps=total_steps,
+        cycle_momentum=False,
+    )
+    print(
+        f"resnet18_cifar, {args.optimizer} (lr {args.lr:g}, weight decay {args.weight_decay:g}), "
+        f"{len(train_data)} training images, batch {args.batch_size}, {total_steps} steps, "
+        f"{device}{', bf16' if args.bf16 else ''}"
+    )
+    epochs = []
+    step = 0
+    progress = tqdm(total=total_steps, desc="training", unit="step")
+    for epoch in range(math.ceil(total_steps / steps_per_epoch)):
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        seen = 0
+        for images, labels in train_loader:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                logits = model(images)
+                loss = F.cross_entropy(logits, labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            # sums stay on the device: no host sync per step
+            loss_sum += loss.detach() * len(labels)
+            correct += (logits.argmax(dim=1) == labels).sum()
+            seen += len(labels)
+            step += 1
+            progress.update()
+            if step == total_steps:
+                break
+        epochs.append(
+            {
+                "epoch": epoch + 1,
+                "train_loss": loss_sum.item() / seen,
+                "train_accuracy": correct.item() / seen,
+                "seconds": time.perf_counter() - start,
+            }
+        )
+        progress.write(
+            f"epoch {epoch + 1}: train loss {epochs[-1]['train_loss']:.4f}, "
+            f"train accuracy {100 * epochs[-1]['train_accuracy']:.2f}%, "
+            f"{epochs[-1]['seconds']:.1f} s"
+        )
+    progress.close()
+    return {
+        "steps": step,
+        "epochs": epochs,
+        "test_accuracy": evaluate(model, test_loader, args.bf16),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs the quickstart; returns its figures (also printed).
+
+    Example:
+        >>> results = main(["--max_steps", "20", "--device", "cpu"])  # doctest: +SKIP
+        >>> results["test_accuracy"]  # doctest: +SKIP
+    """
+    start = time.perf_counter()
+    args = parse_args(argv)
+    train_data = load_image_dataset(args.data, "train")
+    test_data = load_image_dataset(args.data, args.test_split)
+    results = train(args, train_data, test_data)
+    results["seconds"] = time.perf_counter() - start
+    print(f"test accuracy: {100 * results['test_accuracy']:.2f}% ({len(test_data)} images)")
+    print(f"total time: {results['seconds']:.1f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,451 @@
+"""Triton kernels for the Fisher statistics: column sums, channel sums and factor folding.
+
+The two reductions read their input once in its own dtype (float32, bfloat16 or
+float16) and accumulate in float32. Work is split over rows as well as columns so that
+both tall-skinny inputs (Linear: 512K rows, hundreds of columns) and short-wide ones
+(conv inputs reduced over a batch of 512, tens of thousands of columns) fill the GPU.
+Each split writes its own row of a float32 partials buffer and a second small kernel
+adds the rows in a fixed order, so results are bitwise reproducible from run to run
+(no atomics).
+
+:func:`fold_triton` folds every Fisher factor of a model in a single launch: one
+program per factor, addressed through a device table of data pointers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_triaccel.curvature.fold import EMA_MODES, NORMALISE_EPS
+
+# Sizes below were picked by measurement on an H200 (bf16 inputs, 64 to 150K columns).
+# Elements in one loaded tile: 16 elements per thread with 8 warps.
+_TILE = 4096
+_NUM_WARPS = 8
+# Widest column block of the row-sum kernel and longest position block of the channel
+# kernel; narrow column blocks give short-wide inputs enough programs without a split.
+_MAX_BLOCK_D = 128
+_MAX_BLOCK_L = 512
+# Programs to aim for per streaming multiprocessor, enough loads in flight to saturate HBM.
+_PROGRAMS_PER_SM = 4
+# Under the CPU interpreter every program costs Python time; a handful still exercises
+# the split-and-finish path.
+_INTERPRETED_PROGRAMS = 8
+# Narrow column blocks in the finishing pass: more programs when D is a few hundred.
+_FINISH_BLOCK_N = 128
+_FOLD_BLOCK = 4096
+_FOLD_NUM_WARPS = 16
+_FOLD_TABLE_CACHE_SIZE = 8
+
+
+@triton.jit
+def _sum_rows_kernel(
+    x_ptr,
+    part_ptr,
+    n_rows,
+    n_cols,
+    stride_row,
+    rows_per_split,
+    SQUARE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Partial column sums of one (rows_per_split, BLOCK_D) slab of ``x``.
+
+    Grid: (column blocks, splits). ``x`` is (n_rows, n_cols) with unit column stride;
+    ``part`` is (splits, n_cols) float32 and this program fills
+    ``part[split, block columns]``.
+    """
+    pid_d = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    col_mask = cols < n_cols
+    row_start = pid_s * rows_per_split
+    row_end = tl.minimum(row_start + rows_per_split, n_rows)
+    # A 2-D accumulator keeps the loop free of cross-thread reductions; one at the end.
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for r in range(row_start, row_end, BLOCK_N):
+        rows = r + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]  # (BLOCK_N, BLOCK_D)
+        # int64 row offsets: N * stride can pass 2^31 elements.
+        ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
+        v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if SQUARE:
+            acc += v * v
+        else:
+            acc += v
+    tl.store(part_ptr + pid_s * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _channel_sum_kernel(
+    x_ptr,
+    part_ptr,
+    n_chan,
+    n_pos,
+    stride_b,
+    stride_c,
+    n_pos_blocks,
+    items_per_split,
+    n_items,
+    SQUARE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """Partial per-channel sums of ``x`` (B, C, L) with unit stride along L.
+
+    Grid: (channel blocks, splits). A work item is one (batch, position block) pair,
+    numbered ``b * n_pos_blocks + l_block``; each split takes a contiguous run of items
+    so that both a large batch and long rows can be spread over many programs.
+    ``part`` is (splits, C) float32; this program fills ``part[split, block channels]``.
+    """
+    pid_c = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
+    chan_mask = chans < n_chan
+    chan_off = chans.to(tl.int64) * stride_c  # (BLOCK_C,)
+    item_start = pid_s * items_per_split
+    item_end = tl.minimum(item_start + items_per_split, n_items)
+    acc = tl.zeros((BLOCK_C, BLOCK_L), dtype=tl.float32)
+    for t in range(item_start, item_end):
+        b = t // n_pos_blocks
+        pos = (t - b * n_pos_blocks) * BLOCK_L + tl.arange(0, BLOCK_L)  # (BLOCK_L,)
+        mask = chan_mask[:, None] & (pos < n_pos)[None, :]  # (BLOCK_C, BLOCK_L)
+        ptrs = x_ptr + b.to(tl.int64) * stride_b + chan_off[:, None] + pos[None, :]
+        v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if SQUARE:
+            acc += v * v
+        else:
+            acc += v
+    tl.store(part_ptr + pid_s * n_chan + chans, tl.sum(acc, axis=1), mask=chan_mask)
+
+
+@triton.jit
+def _finish_kernel(
+    part_ptr, out_ptr, n_splits, n_cols, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """``out[j] = sum_s part[s, j]`` for ``part`` (n_splits, n_cols), in a fixed order.
+
+    Grid: (column blocks,). Loads (BLOCK_S, BLOCK_N) tiles so that hundreds of splits
+    cost a few loop steps rather than one dependent load each.
+    """
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    col_mask = cols < n_cols
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+    for s in range(0, n_splits, BLOCK_S):
+        splits = s + tl.arange(0, BLOCK_S)  # (BLOCK_S,)
+        mask = (splits < n_splits)[:, None] & col_mask[None, :]  # (BLOCK_S, BLOCK_N)
+        acc += tl.load(part_ptr + splits[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division (plain Python: Triton's helper is slow to call from the host)."""
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (for ``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Number of streaming multiprocessors of a CUDA device (cached per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    """How many programs a reduction should launch to keep ``device`` busy."""
+    if device.type != "cuda":
+        return _INTERPRETED_PROGRAMS
+    return _PROGRAMS_PER_SM * _sm_count(device)
+
+
+def _split(n_units: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
+    """Splits ``n_units`` of sequential work so ``n_blocks * splits`` nears the target.
+
+    No split when the blocks alone give half the target: the finishing pass would then
+    cost more than the extra parallelism gains.
+
+    Returns:
+        (units per split, number of splits), every split non-empty.
+    """
+    target = _target_programs(device)
+    if 2 * n_blocks >= target:
+        return n_units, 1
+    per_split = _cdiv(n_units, min(_cdiv(target, n_blocks), n_units))
+    return per_split, _cdiv(n_units, per_split)
+
+
+def _finish(part: torch.Tensor, out: torch.Tensor) -> None:
+    """Adds the rows of ``part`` (splits, n) into ``out`` (n,); a no-op with one split."""
+    splits, n = part.shape
+    if splits == 1:
+        return
+    block_n = min(_pow2(n), _FINISH_BLOCK_N)
+    block_s = min(_pow2(splits), max(1, _TILE // block_n))
+    _finish_kernel[(_cdiv(n, block_n),)](
+        part, out, splits, n, BLOCK_S=block_s, BLOCK_N=block_n, num_warps=_NUM_WARPS
+    )
+
+
+def _partials(splits: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (partials, output) pair; with one split the partials are the output itself."""
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    if splits == 1:
+        return out.view(1, n), out
+    return torch.empty(splits, n, dtype=torch.float32, device=device), out
+
+
+def _launch_sum_rows(x: torch.Tensor, square: bool) -> torch.Tensor:
+    """Column sums of ``x`` (N, D) whose columns have unit stride; N, D >= 1."""
+    n, d = x.shape
+    block_d = min(_pow2(d), _MAX_BLOCK_D)
+    block_n = min(max(1, _TILE // block_d), _pow2(n))
+    col_blocks = _cdiv(d, block_d)
+    blocks_per_split, splits = _split(_cdiv(n, block_n), col_blocks, x.device)
+    part, out = _partials(splits, d, x.device)
+    _sum_rows_kernel[(col_blocks, splits)](
+        x,
+        part,
+        n,
+        d,
+        x.stride(0),
+        blocks_per_split * block_n,
+        SQUARE=square,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=_NUM_WARPS,
+    )
+    _finish(part, out)
+    return out
+
+
+def _launch_channel_sum(x: torch.Tensor, square: bool) -> torch.Tensor:
+    """Per-channel sums of ``x`` (B, C, L) with unit stride along L; B, C, L >= 1."""
+    b, c, length = x.shape
+    block_l = min(_pow2(length), _MAX_BLOCK_L)
+    block_c = min(max(1, _TILE // block_l), _pow2(c))
+    chan_blocks = _cdiv(c, block_c)
+    pos_blocks = _cdiv(length, block_l)
+    n_items = b * pos_blocks
+    items_per_split, splits = _split(n_items, chan_blocks, x.device)
+    part, out = _partials(splits, c, x.device)
+    _channel_sum_kernel[(chan_blocks, splits)](
+        x,
+        part,
+        c,
+        length,
+        x.stride(0),
+        x.stride(1),
+        pos_blocks,
+        items_per_split,
+        n_items,
+        SQUARE=square,
+        BLOCK_C=block_c,
+        BLOCK_L=block_l,
+        num_warps=_NUM_WARPS,
+    )
+    _finish(part, out)
+    return out
+
+
+def _unit_stride(x: torch.Tensor, dim: int) -> bool:
+    """Whether stepping along ``dim`` moves one element (always true for a size-1 dim)."""
+    return x.shape[dim] == 1 or x.stride(dim) == 1
+
+
+def sum_rows_triton(x: torch.Tensor, square: bool) -> torch.Tensor:
+    """Column sums of ``x`` (N, D), of ``x * x`` when ``square``, as float32 (D,).
+
+    ``x`` is read once in its own dtype. A transposed input (unit row stride) is summed
+    as the channels of a (1, D, N) view instead of being copied.
+
+    Example:
+        >>> sum_rows_triton(torch.ones(4, 3), square=True)
+        tensor([4., 4., 4.])
+    """
+    n, d = x.shape
+    if n == 0 or d == 0:
+        return torch.zeros(d, dtype=torch.float32, device=x.device)
+    if _unit_stride(x, 1):
+        return _launch_sum_rows(x, square)
+    if _unit_stride(x, 0):
+        return _launch_channel_sum(x.t().unsqueeze(0), square)
+    return _launch_sum_rows(x.contiguous(), square)
+
+
+def channel_sum_triton(x: torch.Tensor, square: bool) -> torch.Tensor:
+    """Per-channel sums of ``x`` (B, C, L) over dims 0 and 2, as float32 (C,).
+
+    ``x`` is read once in its own dtype. Channels-last input (unit channel stride), and
+    any input with L == 1, is summed as the columns of a (B * L, C) view instead.
+
+    Example:
+        >>> channel_sum_triton(torch.ones(2, 3, 5), square=False)
+        tensor([10., 10., 10.])
+    """
+    b, c, length = x.shape
+    if b == 0 or c == 0 or length == 0:
+        return torch.zeros(c, dtype=torch.float32, device=x.device)
+    if length == 1 or (x.stride(1) == 1 and not _unit_stride(x, 2)):
+        # reshape stays a view for channels-last and L == 1; it copies only odd layouts
+        return sum_rows_triton(x.transpose(1, 2).reshape(b * length, c), square)
+    if not _unit_stride(x, 2):
+        x = x.contiguous()
+    return _launch_channel_sum(x, square)
+
+
+@triton.jit
+def _fold_kernel(table_ptr, a, b, PAPER: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Folds factor ``i = program_id(0)``: ``ema = a * ema + b * v`` and refreshes ``used``.
+
+    ``table`` is (factors, 4) int64: addresses of ema, new and used (float32, contiguous)
+    and the length n. Reference mode: v = normalise(new) and used <- ema unless used is
+    ema. Paper mode: v = new and used <- normalise(ema). ``normalise`` is min-max over the
+    finite entries, +inf -> 1, -inf and NaN -> 0. Two sweeps over the n entries: the
+    first finds min and max, the second updates; in paper mode the EMA is recomputed in
+    the second sweep rather than re-read, so ``used`` may alias ``ema``.
+    """
+    row = table_ptr + tl.program_id(0) * 4
+    ema_addr = tl.load(row)
+    used_addr = tl.load(row + 2)
+    ema_ptr = ema_addr.to(tl.pointer_type(tl.float32))
+    new_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    used_ptr = used_addr.to(tl.pointer_type(tl.float32))
+    n = tl.load(row + 3)
+    separate = used_addr != ema_addr
+
+    lo_acc = tl.full((BLOCK,), float("inf"), dtype=tl.float32)
+    hi_acc = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)  # (BLOCK,)
+        mask = offs < n
+        src = tl.load(new_ptr + offs, mask=mask, other=0.0)
+        if PAPER:
+            src = a * tl.load(ema_ptr + offs, mask=mask, other=0.0) + b * src
+        # |x| < inf is false for +-inf and NaN alike
+        keep = mask & (tl.abs(src) < float("inf"))
+        lo_acc = tl.minimum(lo_acc, tl.where(keep, src, float("inf")))
+        hi_acc = tl.maximum(hi_acc, tl.where(keep, src, float("-inf")))
+    lo = tl.min(lo_acc, axis=0)
+    denom = tl.max(hi_acc, axis=0) - lo + EPS
+
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)  # (BLOCK,)
+        mask = offs < n
+        src = tl.load(new_ptr + offs, mask=mask, other=0.0)
+        ema = tl.load(ema_ptr + offs, mask=mask, other=0.0)
+        if PAPER:
+            src = a * ema + b * src
+        scaled = tl.where(tl.abs(src) < float("inf"), (src - lo) / denom, 0.0)
+        scaled = tl.where(src == float("inf"), 1.0, scaled)
+        if PAPER:
+            tl.store(ema_ptr + offs, src, mask=mask)
+            # after the ema store: when used is ema, the normalised value must win
+            tl.store(used_ptr + offs, scaled, mask=mask)
+        else:
+            ema = a * ema + b * scaled
+            tl.store(ema_ptr + offs, ema, mask=mask)
+            tl.store(used_ptr + offs, ema, mask=mask & separate)
+
+
+_fold_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+
+def _check_factors(
+    emas: list[torch.Tensor], news: list[torch.Tensor], useds: list[torch.Tensor]
+) -> None:
+    """Raises ``ValueError`` unless the kernel can address every factor as it assumes."""
+    device = emas[0].device
+    for i, group in enumerate(zip(emas, news, useds, strict=True)):
+        for t in group:
+            if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous():
+                raise ValueError(
+                    f"factor {i}: fold_triton needs contiguous 1-D float32 tensors, "
+                    f"got {t.dtype} of shape {tuple(t.shape)}"
+                )
+            if t.device != device or t.numel() != group[0].numel():
+                raise ValueError(f"factor {i}: tensors differ in device or length")
+
+
+def _fold_table(
+    emas: list[torch.Tensor], news: list[torch.Tensor], useds: list[torch.Tensor]
+) -> torch.Tensor:
+    """The (factors, 4) int64 device table of the fold kernel, cached on its contents.
+
+    The factors are the optimizer's long-lived state and the statistics are mostly
+    reallocated at the same addresses from step to step, so a small least-recently-used
+    cache saves both the host-to-device copy and, since the tensors are checked only
+    when a table is built, a per-tensor Python check that costs more than the kernel.
+    """
+    rows = [
+        (e.data_ptr(), w.data_ptr(), u.data_ptr(), e.numel())
+        for e, w, u in zip(emas, news, useds, strict=True)
+    ]
+    device = emas[0].device
+    key = (device, tuple(rows))
+    table = _fold_tables.get(key)
+    if table is not None:
+        _fold_tables.move_to_end(key)
+        return table
+    _check_factors(emas, news, useds)
+    host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+    table = host.to(device, non_blocking=True)
+    _fold_tables[key] = table
+    if len(_fold_tables) > _FOLD_TABLE_CACHE_SIZE:
+        _fold_tables.popitem(last=False)
+    return table
+
+
+def fold_triton(
+    emas: list[torch.Tensor],
+    news: list[torch.Tensor],
+    useds: list[torch.Tensor],
+    mode: str,
+    gamma: float,
+) -> None:
+    """Folds each ``news[i]`` into ``emas[i]`` and refreshes ``useds[i]``, in one launch.
+
+    Same result as :func:`hf_triaccel.curvature.fold.fold_reference` applied to every
+    factor; ``useds[i]`` may be ``emas[i]`` itself.
+
+    Args:
+        emas: running factors (contiguous 1-D float32), updated in place.
+        news: new statistics, one per factor, same lengths.
+        useds: where the factors used by the update go.
+        mode: ``"reference"`` or ``"paper"``.
+        gamma: EMA decay.
+
+    Raises:
+        ValueError: unknown ``mode``, or tensors the kernel cannot address (not float32,
+            not contiguous 1-D, lengths or devices that differ within a factor).
+
+    Example:
+        >>> ema, new = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
+        >>> fold_triton([ema], [new], [ema], "reference", 1.0)
+        >>> ema
+        tensor([0.0000, 0.0050, 0.0100])
+    """
+    if mode not in EMA_MODES:
+        raise ValueError(f"ema={mode!r} is not one of {EMA_MODES}")
+    if not emas:
+        return
+    paper = mode == "paper"
+    a, b = (gamma, 1.0 - gamma) if paper else (0.1 * gamma, 0.01 * gamma)
+    table = _fold_table(emas, news, useds)
+    _fold_kernel[(len(emas),)](
+        table,
+        a,
+        b,
+        PAPER=paper,
+        EPS=NORMALISE_EPS,
+        BLOCK=_FOLD_BLOCK,
+        num_warps=_FOLD_NUM_WARPS,
+    )

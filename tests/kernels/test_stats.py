@@ -1,0 +1,259 @@
+"""Triton Fisher-statistic kernels against their PyTorch references.
+
+CPU runs use Triton's interpreter on small, odd shapes chosen to cross block and split
+boundaries; the ``gpu`` tests repeat the checks at training sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_triaccel.curvature.fold import fold_factors, fold_reference
+from hf_triaccel.curvature.reductions import (
+    channel_sum,
+    channel_sum_reference,
+    sum_rows,
+    sum_rows_reference,
+)
+from hf_triaccel.kernels import stats
+from hf_triaccel.kernels.stats import channel_sum_triton, fold_triton, sum_rows_triton
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0):
+    """Standard normal values, never exactly zero, rounded to ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen)
+    x = torch.where(x.abs() < 1e-3, torch.full_like(x, 1e-3), x)
+    return x.to(device=device, dtype=dtype)
+
+
+def assert_sums_close(got: torch.Tensor, ref: torch.Tensor, abs_ref: torch.Tensor, rtol: float):
+    """float32 sums agree to ``rtol`` of the sum of magnitudes (plain sums can cancel)."""
+    assert got.dtype == torch.float32
+    assert got.shape == ref.shape
+    bound = rtol * abs_ref + 1e-6
+    err = (got - ref).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
+
+
+def check_sum_rows(x: torch.Tensor, square: bool, rtol: float = 1e-5) -> None:
+    got = sum_rows_triton(x, square)
+    assert_sums_close(got, sum_rows_reference(x, square), sum_rows_reference(x.abs(), square), rtol)
+
+
+def check_channel_sum(x: torch.Tensor, square: bool, rtol: float = 1e-5) -> None:
+    got = channel_sum_triton(x, square)
+    assert_sums_close(
+        got, channel_sum_reference(x, square), channel_sum_reference(x.abs(), square), rtol
+    )
+
+
+# ---------------------------------------------------------------- sum_rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("square", [True, False])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (37, 19),  # odd, one block
+        (1, 7),  # a single row
+        (5, 1),  # a single column
+        (300, 300),  # more than one column block and several row splits
+        (20, 600),  # enough column blocks not to split rows
+        (1500, 5),  # many row blocks per split
+    ],
+)
+def test_sum_rows_matches_reference(shape, square, dtype):
+    check_sum_rows(randn(*shape, dtype=dtype), square)
+
+
+@pytest.mark.parametrize("square", [True, False])
+def test_sum_rows_strided_layouts(square):
+    base = randn(40, 30, dtype=torch.bfloat16)
+    check_sum_rows(base[3:, :19], square)  # row stride 30, unit column stride
+    check_sum_rows(base.t(), square)  # unit row stride: summed as channels
+    check_sum_rows(base[:, ::2], square)  # no unit stride: copied first
+
+
+def test_finish_adds_many_splits():
+    part = randn(300, 200)
+    out = torch.empty(200)
+    stats._finish(part, out)  # several (splits, columns) tiles per program
+    torch.testing.assert_close(out, part.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_sum_rows_empty():
+    assert torch.equal(sum_rows_triton(torch.ones(0, 4), True), torch.zeros(4))
+    assert sum_rows_triton(torch.ones(3, 0), True).shape == (0,)
+
+
+def test_sum_rows_is_deterministic():
+    x = randn(700, 45)
+    assert torch.equal(sum_rows_triton(x, True), sum_rows_triton(x, True))
+
+
+def test_sum_rows_dispatch_reaches_triton():
+    x = randn(9, 4, dtype=torch.float16)
+    assert torch.equal(sum_rows(x, True, impl="triton"), sum_rows_triton(x, True))
+
+
+# ---------------------------------------------------------------- channel_sum
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("square", [True, False])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (3, 5, 11),  # odd, one block
+        (2, 9, 1500),  # longer than one position block, several channel blocks
+        (6, 300, 3),  # many channels, short rows
+        (5, 7, 1),  # L == 1: summed as rows
+    ],
+)
+def test_channel_sum_matches_reference(shape, square, dtype):
+    check_channel_sum(randn(*shape, dtype=dtype), square)
+
+
+@pytest.mark.parametrize("square", [True, False])
+def test_channel_sum_strided_layouts(square):
+    nchw = randn(3, 6, 5, 7, dtype=torch.float16)
+    last = nchw.to(memory_format=torch.channels_last).reshape(3, 6, -1)
+    assert last.stride(1) == 1
+    check_channel_sum(last, square)  # channels-last: summed as rows of a view
+    check_channel_sum(nchw.reshape(3, 6, -1)[:, 1:, ::2], square)  # no unit stride
+    check_channel_sum(nchw.reshape(3, 6, -1)[::2, :, 4:], square)  # strided batch
+    check_channel_sum(randn(5, 14, 1)[:, ::2], square)  # L == 1, channel stride 2
+
+
+def test_channel_sum_empty():
+    assert torch.equal(channel_sum_triton(torch.ones(0, 3, 5), False), torch.zeros(3))
+
+
+def test_channel_sum_is_deterministic_and_dispatched():
+    x = randn(4, 3, 900)
+    assert torch.equal(channel_sum(x, True, impl="triton"), channel_sum_triton(x, True))
+
+
+# ---------------------------------------------------------------- fold
+
+FOLD_LENGTHS = (2, 37, 2100, 5)  # 2100 spans two fold blocks
+
+
+def fold_inputs(lengths, device="cpu", seed: int = 0):
+    """emas (positive), news with non-finite entries and a constant factor."""
+    gen = torch.Generator().manual_seed(seed)
+    emas = [torch.rand(n, generator=gen).add_(0.1).to(device) for n in lengths]
+    news = [torch.randn(n, generator=gen).exp_().to(device) for n in lengths]
+    news[1][[3, 8, 20]] = torch.tensor([float("inf"), float("-inf"), float("nan")], device=device)
+    news[-1].fill_(0.5)  # all equal: max - min is 0
+    return emas, news
+
+
+def run_both(lengths, mode, alias, gamma=0.9, steps=1):
+    """Folds with the kernel and the reference; ``alias[i]`` makes used i be ema i."""
+    emas, news = fold_inputs(lengths)
+    useds = [e if a else torch.full_like(e, -1.0) for e, a in zip(emas, alias, strict=True)]
+    ref_emas = [e.clone() for e in emas]
+    ref_useds = [r if a else u.clone() for r, u, a in zip(ref_emas, useds, alias, strict=True)]
+    for _ in range(steps):
+        fold_triton(emas, news, useds, mode, gamma)
+        for e, w, u in zip(ref_emas, news, ref_useds, strict=True):
+            fold_reference(e, w, u, mode, gamma)
+    for got, ref in zip(emas + useds, ref_emas + ref_useds, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7, equal_nan=True)
+    return emas, useds
+
+
+@pytest.mark.parametrize("mode", ["reference", "paper"])
+@pytest.mark.parametrize("aliased", [False, True])
+def test_fold_matches_reference(mode, aliased):
+    run_both(FOLD_LENGTHS, mode, [aliased] * len(FOLD_LENGTHS))
+
+
+@pytest.mark.parametrize("mode", ["reference", "paper"])
+def test_fold_mixed_aliasing_repeated(mode):
+    # a second step reuses the cached pointer table
+    run_both(FOLD_LENGTHS, mode, [True, False, True, False], gamma=0.8, steps=2)
+
+
+def test_fold_nonfinite_mapping():
+    # reference mode, used separate: used = 0.01 * normalise(new) with ema 0 and gamma 1
+    new = torch.tensor([1.0, float("inf"), 3.0, float("-inf"), float("nan"), 2.0])
+    ema, used = torch.zeros(6), torch.empty(6)
+    fold_triton([ema], [new], [used], "reference", 1.0)
+    expected = 0.01 * torch.tensor([0.0, 1.0, 2.0 / (2.0 + 1e-6), 0.0, 0.0, 1.0 / (2.0 + 1e-6)])
+    torch.testing.assert_close(used, expected)
+    torch.testing.assert_close(ema, expected)
+
+
+def test_fold_factors_dispatch_reaches_triton():
+    emas, news = fold_inputs(FOLD_LENGTHS)
+    ref = [e.clone() for e in emas]
+    fold_factors(emas, news, emas, "reference", 0.9, impl="triton")
+    for e, w in zip(ref, news, strict=True):
+        fold_reference(e, w, e, "reference", 0.9)
+    for got, want in zip(emas, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_fold_rejects_bad_input():
+    ema, new = torch.zeros(4), torch.ones(4)
+    with pytest.raises(ValueError, match="one of"):
+        fold_triton([ema], [new], [ema], "bogus", 0.9)
+    with pytest.raises(ValueError, match="float32"):
+        fold_triton([ema], [new.double()], [ema], "paper", 0.9)
+    with pytest.raises(ValueError, match="length"):
+        fold_triton([ema], [torch.ones(5)], [ema], "paper", 0.9)
+    fold_triton([], [], [], "paper", 0.9)  # nothing to do
+
+
+# ---------------------------------------------------------------- GPU, training sizes
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(512 * 1024, 64), (512 * 1024, 768), (512, 64 * 32 * 32)])
+def test_gpu_sum_rows(shape, dtype, device):
+    x = randn(*shape, dtype=dtype, device=device)
+    for square in (True, False):
+        check_sum_rows(x, square, rtol=1e-4)
+    first = sum_rows_triton(x, True)
+    assert torch.equal(first, sum_rows_triton(x, True))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(512, 64, 1024), (512, 512, 49), (8, 64, 224 * 224)])
+def test_gpu_channel_sum(shape, device):
+    x = randn(*shape, dtype=torch.bfloat16, device=device)
+    for square in (True, False):
+        check_channel_sum(x, square, rtol=1e-4)
+        last = x.unsqueeze(-1).to(memory_format=torch.channels_last).squeeze(-1)
+        check_channel_sum(last, square, rtol=1e-4)
+    assert torch.equal(channel_sum_triton(x, True), channel_sum_triton(x, True))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["reference", "paper"])
+def test_gpu_fold(mode, device):
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(2, 50_000, (100,), generator=gen).tolist()
+    lengths[1] = 1000  # room for the non-finite entries
+    emas, news = fold_inputs(lengths, device=device)
+    useds = [e if i % 3 == 0 else torch.empty_like(e) for i, e in enumerate(emas)]
+    ref_emas = [e.clone() for e in emas]
+    ref_useds = [r if u is e else u.clone() for r, u, e in zip(ref_emas, useds, emas, strict=True)]
+    for _ in range(2):
+        fold_triton(emas, news, useds, mode, 0.95)
+        for e, w, u in zip(ref_emas, news, ref_useds, strict=True):
+            fold_reference(e, w, u, mode, 0.95)
+    for got, ref in zip(emas + useds, ref_emas + ref_useds, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7, equal_nan=True)

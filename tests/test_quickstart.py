@@ -1,0 +1,46 @@
+"""The quickstart: flags and a two-step run on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+from hf_triaccel.quickstart import CPU_DEFAULT_STEPS, build_optimizer, main, parse_args
+
+
+def test_cpu_defaults():
+    args = parse_args(["--device", "cpu"])
+    assert args.optimizer == "adafisherw"
+    assert (args.lr, args.weight_decay) == (1e-3, 5e-4)
+    assert args.max_steps == CPU_DEFAULT_STEPS
+    assert args.epochs == 2 and args.batch_size == 128
+    assert args.bf16 is False
+    adamw = parse_args(["--device", "cpu", "--optimizer", "adamw", "--lr", "0.01"])
+    assert adamw.lr == 0.01 and adamw.weight_decay == 5e-2
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("adafisherw", AdaFisherW), ("adafisher", AdaFisher), ("adamw", torch.optim.AdamW)],
+)
+def test_build_optimizer(name, cls):
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    optimizer = build_optimizer(name, model, lr=1e-3, weight_decay=0.0)
+    assert type(optimizer) is cls
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        build_optimizer("sgd", model, lr=1e-3, weight_decay=0.0)
+
+
+def test_two_steps_report_a_test_accuracy(capsys):
+    results = main(["--max_steps", "2", "--batch_size", "8", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "epoch 1: train loss" in out
+    assert "test accuracy:" in out and "(1000 images)" in out
+    assert "total time:" in out
+    assert results["steps"] == 2
+    assert 0.0 <= results["test_accuracy"] <= 1.0
+    assert torch.isfinite(torch.tensor(results["epochs"][0]["train_loss"]))
