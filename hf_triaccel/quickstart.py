@@ -11,8 +11,9 @@ normalised there (:class:`~hf_triaccel.data.images.GPUBatchLoader`); the learnin
 follows a one-cycle schedule. It prints the training loss and accuracy of every epoch, the
 test accuracy and the total time.
 
-On a CPU the default run is shortened to :data:`CPU_DEFAULT_STEPS` optimizer steps so that
-it finishes in a few minutes; ``--max_steps`` overrides that.
+On a CPU the default run is shortened to :data:`CPU_DEFAULT_STEPS` optimizer steps
+(``--max_steps`` overrides that): on two otherwise idle cores it took about 2.5 minutes and
+reached about 26% test accuracy on the embedded slice (chance is 10%).
 """
 
 from __future__ import annotations

@@ -153,6 +153,38 @@ def test_hub_id_without_datasets_says_so(monkeypatch):
         load_image_dataset("uoft-cs/cifar10", "train")
 
 
+def test_hub_dataset_is_read_from_its_arrow_table(monkeypatch, tiny_pixels):
+    datasets = pytest.importorskip("datasets")
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=["x", "y"])}
+    )
+    rows = {"image": [{"bytes": _png(p), "path": None} for p in tiny_pixels], "label": [1, 0, 1, 1]}
+    dataset = datasets.Dataset.from_dict(rows, features=features)
+    calls = []
+
+    def fake_load_dataset(name, split):
+        calls.append((name, split))
+        return dataset
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    data = load_image_dataset("zh-plus/tiny-imagenet", "valid", progress=False)
+    assert calls == [("zh-plus/tiny-imagenet", "valid")]
+    assert data.class_names == ["x", "y"]
+    assert data.labels.tolist() == [1, 0, 1, 1]
+    assert torch.equal(data.images[3], torch.from_numpy(tiny_pixels[3]).permute(2, 0, 1))
+
+
+def test_unreachable_hub_gives_a_clear_error(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(name, split):
+        raise ConnectionError("Couldn't reach huggingface.co")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(RuntimeError, match="could not load 'uoft-cs/cifar10'.*network"):
+        load_image_dataset("uoft-cs/cifar10", "train")
+
+
 def _indexed(n: int, size: int = 8) -> ImageTensors:
     """``n`` random images whose label is their index, to track every sample."""
     gen = torch.Generator().manual_seed(0)
