@@ -253,7 +253,8 @@ def test_augmentation_is_a_padded_crop_and_flip(embedded_train):
     plain, _ = next(iter(GPUBatchLoader(data, 64, **identity)))
     assert not torch.equal(images, plain)
 
-    order, offsets, flips = loader._plan(0)
+    plan = loader.epoch_plan(0)
+    order, offsets, flips = plan.order, plan.offsets, plan.flips
     assert torch.equal(order, torch.arange(64))
     assert 0 < flips.sum() < 64 and offsets.min() == 0 and offsets.max() == 8
     for i in range(64):

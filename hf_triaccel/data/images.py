@@ -343,6 +343,15 @@ def _decode_all(column: Any, progress: bool) -> torch.Tensor:
     return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()
 
 
+@dataclass(frozen=True)
+class EpochPlan:
+    """One epoch's sample order and per-position augmentation (crop offsets, flips)."""
+
+    order: torch.Tensor
+    offsets: torch.Tensor | None
+    flips: torch.Tensor | None
+
+
 class GPUBatchLoader:
     """Batches an :class:`ImageTensors` on its device, with batched augmentation.
 
@@ -447,10 +456,13 @@ class GPUBatchLoader:
         self.position = int(state["position"])
         self.seed = int(state["seed"])
 
-    def _plan(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Sample order, crop offsets and flips of ``epoch``, drawn on the CPU, then moved."""
+    def epoch_plan(self, epoch: int) -> EpochPlan:
+        """Sample order, crop offsets and flips of ``epoch``, drawn on the CPU, then moved.
+
+        A CPU generator seeded with ``(seed, epoch)`` gives the same epochs on every
+        device and torch build.
+        """
         n = len(self.data)
-        # a CPU generator gives the same epochs on every device and torch build
         gen = torch.Generator().manual_seed((self.seed * 0x9E3779B1 + epoch) % (1 << 63))
         order = torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n)
         offsets = flips = None
@@ -458,27 +470,32 @@ class GPUBatchLoader:
             offsets = torch.randint(0, 2 * self.padding + 1, (n, 2), generator=gen)
             flips = torch.rand(n, generator=gen) < 0.5
         dev = self.data.device
-        return (
+        return EpochPlan(
             order.to(dev),
             None if offsets is None else offsets.to(dev),
             None if flips is None else flips.to(dev),
         )
 
+    def gather(
+        self, plan: EpochPlan, slots: torch.Tensor | slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalised, augmented batch at positions ``slots`` of the epoch's order."""
+        index = plan.order[slots]
+        if plan.offsets is None:
+            images = self.data.images[index]
+        else:
+            images = self._crop_flip(index, plan.offsets[slots], plan.flips[slots])
+        return self._normalise(images), self.data.labels[index]
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.position >= len(self):
             self.epoch += 1
             self.position = 0
-        order, offsets, flips = self._plan(self.epoch)
+        plan = self.epoch_plan(self.epoch)
         for batch in range(self.position, len(self)):
             start = batch * self.batch_size
-            index = order[start : start + self.batch_size]
             self.position = batch + 1
-            if offsets is None:
-                images = self.data.images[index]
-            else:
-                window = slice(start, start + self.batch_size)
-                images = self._crop_flip(index, offsets[window], flips[window])
-            yield self._normalise(images), self.data.labels[index]
+            yield self.gather(plan, slice(start, start + self.batch_size))
 
     def _crop_flip(
         self, index: torch.Tensor, offsets: torch.Tensor, flips: torch.Tensor

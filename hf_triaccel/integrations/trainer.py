@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from hf_triaccel.curvature.fold import EMA_MODES
+from hf_triaccel.data.images import ImageTensors
 from hf_triaccel.dispatch import IMPLS
 from hf_triaccel.integrations.plugin import OPTIMIZERS, TriAccelPlugin, check_distributed_support
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
+from hf_triaccel.integrations.trainer_data import DeviceImageDataLoader
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,13 @@ class TriAccelArguments(TrainingArguments):
     triaccel_impl: str | None = field(
         default=None,
         metadata={"help": "Kernels: triton, foreach or reference (default: automatic)."},
+    )
+    device_data_augment: bool = field(
+        default=True,
+        metadata={
+            "help": "For an ImageTensors train_dataset (images kept on the device): random "
+            "crop with 4-pixel padding and horizontal flip, done per batch on the device."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -136,6 +145,11 @@ class TriAccelTrainer(Trainer):
     Works with transformers models and with plain ``nn.Module`` models (timm): for
     those, the batch's single non-label entry is passed positionally and the loss is
     cross-entropy on the returned logits (or ``compute_loss_func`` when given).
+
+    ``train_dataset`` / ``eval_dataset`` may be an
+    :class:`~hf_triaccel.data.images.ImageTensors` (decoded images, see
+    :func:`~hf_triaccel.data.images.load_image_dataset`): batches are then gathered and
+    augmented on the device instead of collated by DataLoader workers.
 
     Example:
         >>> from transformers import GPT2Config, GPT2LMHeadModel
@@ -217,6 +231,40 @@ class TriAccelTrainer(Trainer):
         else:
             loss = F.cross_entropy(logits.float(), labels)
         return (loss, {"logits": logits}) if return_outputs else loss
+
+    def get_train_dataloader(self):
+        if not isinstance(self.train_dataset, ImageTensors):
+            return super().get_train_dataloader()
+        return self._device_loader(
+            self.train_dataset,
+            self._train_batch_size,
+            shuffle=True,
+            augment=self.args.device_data_augment,
+        )
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if not isinstance(dataset, ImageTensors):
+            return super().get_eval_dataloader(eval_dataset)
+        return self._device_loader(
+            dataset, self.args.eval_batch_size, shuffle=False, augment=False, drop_last=False
+        )
+
+    def _device_loader(self, data: ImageTensors, batch_size: int, **kwargs):
+        """Batches built on the device, normalised with the training set's statistics."""
+        stats = self.train_dataset if isinstance(self.train_dataset, ImageTensors) else data
+        mean, std = stats.channel_stats()
+        return DeviceImageDataLoader(
+            data,
+            batch_size,
+            rank=self.args.process_index,
+            world=self.args.world_size,
+            device=self.args.device,
+            seed=self.args.seed,
+            mean=mean,
+            std=std,
+            **kwargs,
+        )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log, not an evaluation one
