@@ -12,22 +12,19 @@ from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer 
 from hf_triaccel.integrations.trainer_data import DeviceImageDataLoader  # noqa: E402
 
 
-def tiny_images(n: int = 40) -> ImageTensors:
+def tiny_images(n: int = 40, classes: int = 10) -> ImageTensors:
+    """Random images; with ``classes == n`` each label is its sample's id."""
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8, generator=gen)
-    labels = torch.arange(n) % 10  # labels double as sample ids below
-    return ImageTensors(images, labels, [str(i) for i in range(10)])
+    return ImageTensors(images, torch.arange(n) % classes, [str(i) for i in range(classes)])
 
 
 def sample_ids(loader) -> list[int]:
-    """Identify samples by their un-augmented pixels."""
     return [int(i) for batch in loader for i in batch["labels"]]
 
 
 def test_ranks_see_disjoint_shards_covering_the_epoch():
-    data = ImageTensors(
-        tiny_images().images, torch.arange(40), [str(i) for i in range(40)]
-    )
+    data = tiny_images(classes=40)
     shards = []
     for rank in range(3):
         loader = DeviceImageDataLoader(data, 4, rank=rank, world=3, seed=1)
@@ -39,7 +36,7 @@ def test_ranks_see_disjoint_shards_covering_the_epoch():
 
 
 def test_epochs_reshuffle_and_repeat_with_the_seed():
-    data = ImageTensors(tiny_images().images, torch.arange(40), [str(i) for i in range(40)])
+    data = tiny_images(classes=40)
     loader = DeviceImageDataLoader(data, 8, seed=3)
     loader.set_epoch(0)
     first = sample_ids(loader)
@@ -56,9 +53,17 @@ def test_trainer_on_device_images_resumes_exactly(tmp_path):
         torch.manual_seed(0)
         model = timm.create_model("test_resnet", num_classes=10)
         args = TriAccelArguments(
-            output_dir=str(out), max_steps=6, per_device_train_batch_size=8, report_to=[],
-            use_cpu=True, save_strategy="steps", save_steps=3, disable_tqdm=True, seed=0,
-            adafisher_update_every=2, learning_rate=1e-3,
+            output_dir=str(out),
+            max_steps=6,
+            per_device_train_batch_size=8,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="steps",
+            save_steps=3,
+            disable_tqdm=True,
+            seed=0,
+            adafisher_update_every=2,
+            learning_rate=1e-3,
         )
         trainer = TriAccelTrainer(model=model, args=args, train_dataset=tiny_images())
         trainer.train(resume_from_checkpoint=resume)
