@@ -41,17 +41,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from hf_triaccel.data.images import GPUBatchLoader, load_image_dataset
 from hf_triaccel.integrations.timm_models import create_cifar_model
-from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
-
-DEFAULTS = {
-    "adamw": {"lr": 3e-3, "weight_decay": 0.05},
-    "adafisherw": {"lr": 1e-2, "weight_decay": 5e-4},
-    "adafisher": {"lr": 3e-3, "weight_decay": 5e-4},
-}
+from hf_triaccel.quickstart import DEFAULT_HYPERPARAMETERS, OPTIMIZERS, build_optimizer, evaluate
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -62,7 +55,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="embedded",
         help="folder with train.parquet and test.parquet (Hub layout), or 'embedded'",
     )
-    parser.add_argument("--optimizer", choices=tuple(DEFAULTS), default="adafisherw")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adafisherw")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch_size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
@@ -83,24 +76,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     args = parser.parse_args(argv)
-    for key, value in DEFAULTS[args.optimizer].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    default_lr, default_wd = DEFAULT_HYPERPARAMETERS[args.optimizer]
+    args.lr = default_lr if args.lr is None else args.lr
+    args.weight_decay = default_wd if args.weight_decay is None else args.weight_decay
     args.device = torch.device(args.device)
     return args
-
-
-def build_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW (fused on CUDA), or AdaFisher(W) with its collector built from ``model``."""
-    if args.optimizer == "adamw":
-        return torch.optim.AdamW(
-            model.parameters(),
-            lr=args.lr,
-            weight_decay=args.weight_decay,
-            fused=args.device.type == "cuda",
-        )
-    cls = AdaFisherW if args.optimizer == "adafisherw" else AdaFisher
-    return cls.from_model(model, lr=args.lr, weight_decay=args.weight_decay, impl=args.impl)
 
 
 def synchronize(device: torch.device) -> None:
@@ -136,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = create_cifar_model(args.model, num_classes=train_data.num_classes).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(args, model)
+    optimizer = build_optimizer(args.optimizer, model, args.lr, args.weight_decay, impl=args.impl)
     total_steps = args.epochs * len(train_loader)
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
@@ -182,12 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     train_seconds = time.perf_counter() - train_start
 
     eval_start = time.perf_counter()
-    model.eval()
-    correct = torch.zeros((), dtype=torch.long, device=device)
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-        for images, labels in test_loader:
-            correct += (model(images).argmax(dim=1) == labels).sum()
-    test_accuracy = correct.item() / len(test_data)
+    test_accuracy = evaluate(model, test_loader, bf16=cuda)
     eval_seconds = time.perf_counter() - eval_start
 
     # the first epoch carries cuDNN autotuning and warm-up: leave it out when there are more
