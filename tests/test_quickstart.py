@@ -7,13 +7,19 @@ import torch
 from torch import nn
 
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
-from hf_triaccel.quickstart import CPU_DEFAULT_STEPS, build_optimizer, main, parse_args
+from hf_triaccel.quickstart import (
+    CPU_DEFAULT_STEPS,
+    DEFAULT_HYPERPARAMETERS,
+    build_optimizer,
+    main,
+    parse_args,
+)
 
 
 def test_cpu_defaults():
     args = parse_args(["--device", "cpu"])
     assert args.optimizer == "adafisherw"
-    assert (args.lr, args.weight_decay) == (1e-3, 5e-4)
+    assert (args.lr, args.weight_decay) == DEFAULT_HYPERPARAMETERS["adafisherw"]
     assert args.max_steps == CPU_DEFAULT_STEPS
     assert args.epochs == 2 and args.batch_size == 128
     assert args.bf16 is False
