@@ -1,0 +1,498 @@
+"""Per-module second-order signals from state the optimizer already holds.
+
+:class:`SignalTracker` computes, every ``every`` optimizer steps (default 200), one row of
+signals per module of a :class:`~hf_triaccel.curvature.collector.FisherCollector`, with no
+extra forward or backward pass:
+
+curvature ``c``
+    The mean over the module's preconditioned entries of ``F - damping = g_i * a_j``
+    (so ``c`` does not depend on the damping). Every layout in
+    :mod:`hf_triaccel.curvature.rules` -- weights stored (out, in) or (in, out), biases and
+    normalisation affines (one shared ``a`` entry) -- pairs each ``g`` entry of its segment
+    with each ``a`` entry of its segment equally often, so the mean of that parameter's
+    entries is exactly ``mean(g segment) * mean(a segment)`` (for a Linear weight: the mean of
+    ``g`` times the mean of ``a`` over the weight's columns, without the bias entry). The
+    module's ``c`` is the element-weighted mean over its parameters. A custom layout that
+    is not such a product is materialised for that parameter instead.
+concentration
+    The share of the module's factor mass ``sum(F - damping)`` held by its largest 10%
+    entries (``ceil(0.1 * N)`` of its ``N`` entries), computed on the factorisation, not on
+    the vectors: the threshold of the top entries is found by multi-section over the
+    products ``g_i * a_j``, counting and summing the products above a threshold with one
+    ``searchsorted`` per ``g`` entry into the sorted ``a`` segment (relative resolution
+    ``16**-8``; factors are non-negative, being min-max normalised statistics). A flat
+    Fisher gives 0.1, a Fisher held by few entries values near 1.
+gradient noise ratio ``v``
+    ``mean(E[g^2] - E[g]^2) / mean(E[g^2])`` over the module's gradient elements, the
+    expectations being exponential moving averages over optimizer steps. Elementwise EMAs
+    would cost two buffers the size of every parameter; instead each parameter gets a fixed
+    random subset of ``noise_samples`` elements (all of them when it is smaller), chosen once
+    with a seeded generator, and EMAs of ``g`` and ``g^2`` are kept for those elements only
+    (O(1) memory per tensor). They are updated by an optimizer step pre-hook every
+    ``noise_every`` steps, from the unscaled gradient about to be applied. At read time the
+    EMAs are bias-corrected and the variance is made unbiased for the EMA's effective sample
+    size (reliability weights: divided by ``1 - sum(w^2) / sum(w)^2``); per parameter the
+    subset means estimate the means over all its elements, and a module's ratio weights its
+    parameters by their sizes; the ratio is clipped to [0, 1], where the true value lies.
+    ``nan`` until two samples were taken. Drift of the mean gradient within the EMA window
+    counts as noise.
+sensitivity ``s = c * ||W||^2 * v``
+    ``||W||^2`` being the squared norm of the module's preconditioned parameters. A
+    HAWQ-like score: ``c * ||W||^2`` approximates the loss change from a relative
+    perturbation of the module's weights (as low-precision rounding causes), weighted by
+    the gradient noise ratio.
+
+Example:
+    >>> from torch import nn
+    >>> from hf_triaccel import AdaFisherW
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    >>> optimizer = AdaFisherW.from_model(model, lr=1e-3)
+    >>> tracker = SignalTracker(optimizer.collector, optimizer, every=2)
+    >>> for _ in range(2):
+    ...     model(torch.randn(4, 8)).square().mean().backward()
+    ...     optimizer.step()
+    ...     optimizer.zero_grad()
+    >>> sorted(tracker.signals)
+    ['0', '2']
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from hf_triaccel.curvature.collector import FisherCollector, LayerFactors
+from hf_triaccel.curvature.rules import FactorLayout
+
+# multi-section search for the top-entries threshold: WAYS candidates per round
+_WAYS = 16
+_ROUNDS = 8
+
+Listener = Callable[[int, "dict[str, ModuleSignals] | None"], None]
+
+
+@dataclass(frozen=True)
+class ModuleSignals:
+    """The signals of one module at one evaluation (see the module docstring)."""
+
+    name: str
+    kind: str
+    params: int
+    curvature: float
+    concentration: float
+    noise: float
+    weight_norm_sq: float
+    sensitivity: float
+
+
+@dataclass(frozen=True)
+class _Term:
+    """``mult`` copies of the outer product ``g x a``: part of a module's ``F - damping``."""
+
+    g: torch.Tensor
+    a: torch.Tensor
+    mult: int
+
+
+def _digit_is_uniform(numel: int, div: int, mod: int) -> bool:
+    return numel % (div * mod) == 0
+
+
+def _kronecker_term(
+    layout: FactorLayout, numel: int, g: torch.Tensor, a: torch.Tensor
+) -> _Term | None:
+    """The parameter's entries as ``mult`` copies of an outer product, when they are one.
+
+    Element ``k`` reads ``g[(k // g_div) % g_mod]`` and ``a[(k // a_div) % a_mod + a_off]``:
+    two digits of ``k``. Every (g, a) pair occurs equally often when one digit is constant
+    (``mod == 1``) and the other cycles whole periods, or when the faster digit completes
+    whole periods inside one step of the slower one.
+    """
+    (d1, m1), (d2, m2) = sorted([(layout.g_div, layout.g_mod), (layout.a_div, layout.a_mod)])
+    if m1 == 1 or m2 == 1:
+        div, mod = (d2, m2) if m1 == 1 else (d1, m1)
+        uniform = mod == 1 or _digit_is_uniform(numel, div, mod)
+    else:
+        uniform = d2 % (d1 * m1) == 0 and _digit_is_uniform(numel, d2, m2)
+    if not uniform:
+        return None
+    g_seg = g[: layout.g_mod]
+    a_seg = a[layout.a_off : layout.a_off + layout.a_mod]
+    return _Term(g_seg, a_seg, numel // (layout.g_mod * layout.a_mod))
+
+
+def factor_terms(layer: LayerFactors) -> tuple[list[_Term], int]:
+    """The module's ``F - damping`` entries as outer-product terms, and their count."""
+    g, a = layer.g.detach().float(), layer.a.detach().float()
+    terms, total = [], 0
+    for attr, layout in layer.layouts.items():
+        numel = getattr(layer.module, attr).numel()
+        total += numel
+        term = _kronecker_term(layout, numel, g, a)
+        if term is None:  # a custom layout: materialise this parameter's entries
+            gi, ai = layout.indices(numel, g.device)
+            term = _Term(g.new_ones(1), g[gi] * a[ai], 1)
+        terms.append(term)
+    return terms, total
+
+
+def curvature(terms: list[_Term], total: int) -> torch.Tensor:
+    """Mean of the entries the terms describe (a 0-d tensor on the factors' device)."""
+    return sum(t.mult * t.g.sum() * t.a.sum() for t in terms) / total
+
+
+def top_share(terms: list[_Term], total: int, fraction: float) -> torch.Tensor:
+    """Share of the entries' sum held by the largest ``ceil(fraction * total)`` entries.
+
+    Computed on the factorisation in float64, without a host sync: multi-section over the
+    threshold ``t`` keeps ``count(v >= lo) >= k > count(v >= hi)``; at the end the top-k
+    sum is the sum above ``hi`` plus the missing entries valued at ``lo``.
+
+    Example:
+        >>> term = _Term(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0, 1.0, 6.0]), 1)
+        >>> round(top_share([term], 10, 0.1).item(), 6)
+        0.6
+    """
+    k = max(1, math.ceil(fraction * total))
+    prepared = []
+    for t in terms:
+        outer, inner = (t.g, t.a) if t.g.numel() <= t.a.numel() else (t.a, t.g)
+        outer = outer.double().clamp_min(0.0)
+        inner = inner.double().clamp_min(0.0).sort().values
+        suffix = torch.cat([inner.flip(0).cumsum(0).flip(0), inner.new_zeros(1)])
+        prepared.append((outer, inner, suffix, t.mult))
+    mass = sum(m * o.sum() * i.sum() for o, i, _, m in prepared)
+    hi = torch.stack([o.max() * i[-1] for o, i, _, _ in prepared]).max()
+    hi = hi * (1.0 + 1e-9) + 1e-300  # strictly above every entry: count(v >= hi) = 0
+    lo = torch.zeros_like(hi)
+
+    def count_and_sum(thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        count = torch.zeros(thresholds.shape, dtype=torch.int64, device=hi.device)
+        above = torch.zeros_like(thresholds)
+        for outer, inner, suffix, mult in prepared:
+            # first position of inner >= t / outer_i: entries g_i * a_j >= t (t / 0 = inf)
+            idx = torch.searchsorted(inner, thresholds[:, None] / outer[None, :])
+            count += mult * (inner.numel() - idx).sum(1)
+            above += mult * (outer[None, :] * suffix[idx]).sum(1)
+        return count, above
+
+    ways = torch.arange(1, _WAYS + 1, device=hi.device, dtype=hi.dtype) / _WAYS
+    for _ in range(_ROUNDS):
+        width = hi - lo
+        count, _ = count_and_sum(lo + width * ways)
+        passed = (count >= k).sum().to(hi.dtype)  # count falls with t: a prefix passes
+        lo, hi = lo + width * passed / _WAYS, lo + width * (passed + 1) / _WAYS
+    count_hi, above_hi = count_and_sum(hi.reshape(1))
+    top = above_hi[0] + (k - count_hi[0]).to(hi.dtype) * lo
+    return torch.where(mass > 0, top / mass.clamp_min(1e-300), torch.full_like(mass, k / total))
+
+
+class _NoiseProbe:
+    """EMAs of ``g`` and ``g^2`` at a fixed subset of one parameter's elements."""
+
+    def __init__(self, param: nn.Parameter, samples: int, generator: torch.Generator) -> None:
+        self.param = param
+        n = param.numel()
+        # randint, not randperm: a permutation of a large embedding would be big
+        cpu_index = (
+            torch.arange(n) if n <= samples else torch.randint(n, (samples,), generator=generator)
+        )
+        self.index = cpu_index.to(param.device)
+        self.m1 = torch.zeros(self.index.numel(), device=param.device)
+        self.m2 = torch.zeros_like(self.m1)
+        self.count = 0
+
+    def sample(self) -> torch.Tensor | None:
+        grad = self.param.grad
+        if grad is None or grad.is_sparse:
+            return None
+        if self.index.device != grad.device:  # the model moved
+            self.index, self.m1, self.m2 = (
+                t.to(grad.device) for t in (self.index, self.m1, self.m2)
+            )
+        return grad.reshape(-1).index_select(0, self.index).float()
+
+    def moments(self, beta: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(mean unbiased variance, mean E[g^2]) over the subset, or ``None`` (< 2 samples)."""
+        if self.count < 2:
+            return None
+        n = self.count
+        w_sum = 1.0 - beta**n
+        w_sq = (1.0 - beta) ** 2 * (1.0 - beta ** (2 * n)) / (1.0 - beta**2)
+        e1, e2 = self.m1 / w_sum, self.m2 / w_sum
+        var = (e2 - e1 * e1).clamp_min(0.0) / (1.0 - w_sq / w_sum**2)
+        return var.mean(), e2.mean()
+
+
+class SignalTracker:
+    """Curvature, Fisher concentration, gradient noise and sensitivity per module.
+
+    Args:
+        collector: the Fisher collector whose factors the signals read.
+        optimizer: when given, :meth:`attach` is called with it.
+        every: compute the signals every this many optimizer steps.
+        top_fraction: the share of entries whose mass the concentration measures.
+        noise_samples: gradient elements sampled per parameter for the noise ratio.
+        noise_every: sample the gradients every this many optimizer steps.
+        noise_beta: EMA coefficient of the gradient moments, per sample.
+        seed: seeds the choice of sampled elements.
+
+    Attributes:
+        signals: the latest signals by module name (empty before the first evaluation).
+        steps: optimizer steps seen since :meth:`attach`.
+
+    Example:
+        >>> from torch import nn
+        >>> collector = FisherCollector(nn.Linear(4, 2))
+        >>> tracker = SignalTracker(collector)
+        >>> tracker.compute()[""].curvature  # factors start at ones
+        1.0
+    """
+
+    def __init__(
+        self,
+        collector: FisherCollector,
+        optimizer: Optimizer | None = None,
+        *,
+        every: int = 200,
+        top_fraction: float = 0.1,
+        noise_samples: int = 32,
+        noise_every: int = 4,
+        noise_beta: float = 0.95,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(collector, FisherCollector):
+            raise TypeError(f"collector must be a FisherCollector, got {type(collector).__name__}")
+        for name, value in (
+            ("every", every),
+            ("noise_samples", noise_samples),
+            ("noise_every", noise_every),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: needs an int >= 1")
+        if not 0.0 < top_fraction <= 1.0:
+            raise ValueError(f"top_fraction={top_fraction}: needs 0 < top_fraction <= 1")
+        if not 0.0 < noise_beta < 1.0:
+            raise ValueError(f"noise_beta={noise_beta}: needs 0 < noise_beta < 1")
+        self.collector = collector
+        self.every = every
+        self.top_fraction = top_fraction
+        self.noise_every = noise_every
+        self.noise_beta = noise_beta
+        self.steps = 0
+        self.signals: dict[str, ModuleSignals] = {}
+        generator = torch.Generator().manual_seed(seed)
+        self._probes: dict[str, _NoiseProbe] = {}
+        for name, layer in collector.layers.items():
+            for attr in layer.layouts:
+                param = getattr(layer.module, attr)
+                self._probes[_probe_key(name, attr)] = _NoiseProbe(param, noise_samples, generator)
+        self._listeners: OrderedDict[int, Listener] = OrderedDict()
+        self._handles: list[RemovableHandle] = []
+        if optimizer is not None:
+            self.attach(optimizer)
+
+    def attach(self, optimizer: Optimizer) -> None:
+        """Registers the step hooks: gradient sampling before each step, step counting
+        and the evaluation every ``every`` steps after it.
+
+        Wrappers that hold the real optimizer as ``.optimizer`` (Accelerate's
+        ``AcceleratedOptimizer``) are unwrapped: their ``step`` calls the inner one,
+        which is where hooks run, and only on steps that are actually taken.
+        """
+        if self._handles:
+            raise RuntimeError("the tracker is already attached to an optimizer")
+        while isinstance(getattr(optimizer, "optimizer", None), Optimizer):
+            optimizer = optimizer.optimizer
+        self._handles = [
+            optimizer.register_step_pre_hook(self._sample),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+
+    def add_listener(self, fn: Listener) -> RemovableHandle:
+        """Calls ``fn(step, signals)`` after every optimizer step; ``signals`` is the fresh
+        evaluation on evaluation steps, else ``None``. Returns a removable handle."""
+        handle = RemovableHandle(self._listeners)
+        self._listeners[handle.id] = fn
+        return handle
+
+    def _sample(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self.steps % self.noise_every:
+            return
+        with torch.no_grad():
+            probes, samples = [], []
+            for probe in self._probes.values():
+                s = probe.sample()
+                if s is not None:
+                    probes.append(probe)
+                    samples.append(s)
+            if not probes:
+                return
+            m1s, m2s = [p.m1 for p in probes], [p.m2 for p in probes]
+            b = self.noise_beta
+            torch._foreach_mul_(m1s, b)
+            torch._foreach_add_(m1s, samples, alpha=1.0 - b)
+            torch._foreach_mul_(m2s, b)
+            torch._foreach_add_(m2s, torch._foreach_mul(samples, samples), alpha=1.0 - b)
+        for p in probes:
+            p.count += 1
+
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        fresh = self.compute() if self.steps % self.every == 0 else None
+        for fn in list(self._listeners.values()):
+            fn(self.steps, fresh)
+
+    @torch.no_grad()
+    def compute(self) -> dict[str, ModuleSignals]:
+        """Computes the signals now, stores them in :attr:`signals` and returns them.
+
+        Everything stays on the device until one copy of all values at the end.
+        """
+        rows = []
+        for name, layer in self.collector.layers.items():
+            terms, total = factor_terms(layer)
+            params = [getattr(layer.module, attr) for attr in layer.layouts]
+            weight_sq = torch.stack([p.detach().float().square().sum() for p in params]).sum()
+            rows.append(
+                (
+                    name,
+                    layer,
+                    total,
+                    [
+                        curvature(terms, total).double(),
+                        top_share(terms, total, self.top_fraction),
+                        self._noise(name, layer).double(),
+                        weight_sq.double(),
+                    ],
+                )
+            )
+        if not rows:
+            self.signals = {}
+            return {}
+        device = rows[0][3][0].device
+        values = torch.stack([v.to(device) for *_, vs in rows for v in vs]).view(len(rows), 4)
+        self.signals = {}
+        for (name, layer, total, _), (c, conc, v, wsq) in zip(rows, values.tolist(), strict=True):
+            self.signals[name] = ModuleSignals(
+                name=name,
+                kind=type(layer.module).__name__,
+                params=total,
+                curvature=c,
+                concentration=conc,
+                noise=v,
+                weight_norm_sq=wsq,
+                sensitivity=c * wsq * v,
+            )
+        return self.signals
+
+    def _noise(self, name: str, layer: LayerFactors) -> torch.Tensor:
+        var_sum = e2_sum = None
+        for attr in layer.layouts:
+            probe = self._probes[_probe_key(name, attr)]
+            moments = probe.moments(self.noise_beta)
+            if moments is None:
+                continue
+            n = probe.param.numel()
+            var_sum = moments[0] * n if var_sum is None else var_sum + moments[0] * n
+            e2_sum = moments[1] * n if e2_sum is None else e2_sum + moments[1] * n
+        if var_sum is None:
+            return torch.tensor(float("nan"), device=layer.g.device)
+        # identically zero gradients carry no noise; the true ratio lies in [0, 1], the
+        # estimate (unbiased numerator over unbiased denominator) may stray above 1
+        ratio = (var_sum / e2_sum.clamp_min(1e-30)).clamp_max(1.0)
+        return torch.where(e2_sum > 0, ratio, torch.zeros_like(e2_sum))
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        """The latest signals as plain data, by module name."""
+        return {
+            name: {k: v for k, v in asdict(s).items() if k != "name"}
+            for name, s in self.signals.items()
+        }
+
+    def table(self) -> str:
+        """The latest signals as a readable table, one module per line.
+
+        Example:
+            >>> from torch import nn
+            >>> tracker = SignalTracker(FisherCollector(nn.Linear(4, 2)))
+            >>> _ = tracker.compute()
+            >>> print(tracker.table().splitlines()[0].split())
+            ['module', 'type', 'params', 'curvature', 'concentration', 'noise', 'sensitivity']
+        """
+        header = ("module", "type", "params", "curvature", "concentration", "noise", "sensitivity")
+        lines = [
+            (
+                s.name or "(root)",
+                s.kind,
+                f"{s.params:,}",
+                f"{s.curvature:.4g}",
+                f"{s.concentration:.3f}",
+                f"{s.noise:.3f}",
+                f"{s.sensitivity:.4g}",
+            )
+            for s in self.signals.values()
+        ]
+        widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+        return "\n".join(
+            "  ".join(
+                cell.ljust(w) if i < 2 else cell.rjust(w)
+                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            ).rstrip()
+            for row in [header, *lines]
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count, gradient-moment EMAs (with their sampled elements) and the latest signals."""
+        return {
+            "steps": self.steps,
+            "probes": {
+                key: {"index": p.index.cpu(), "m1": p.m1.cpu(), "m2": p.m2.cpu(), "count": p.count}
+                for key, p in self._probes.items()
+            },
+            "signals": self.as_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` saved; the modules must match."""
+        missing = set(self._probes) - set(state["probes"])
+        extra = set(state["probes"]) - set(self._probes)
+        if missing or extra:
+            raise KeyError(
+                f"signal state does not match the model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(extra)[:5]}"
+            )
+        for key, probe in self._probes.items():
+            saved = state["probes"][key]
+            device = probe.param.device
+            probe.index = saved["index"].to(device)
+            probe.m1 = saved["m1"].to(device=device, dtype=torch.float32)
+            probe.m2 = saved["m2"].to(device=device, dtype=torch.float32)
+            probe.count = int(saved["count"])
+        self.steps = int(state["steps"])
+        self.signals = {
+            name: ModuleSignals(name=name, **row) for name, row in state["signals"].items()
+        }
+
+    def remove(self) -> None:
+        """Removes the optimizer hooks and every listener."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._listeners.clear()
+
+    def __repr__(self) -> str:
+        n = len(self.collector.layers)
+        return f"SignalTracker(modules={n}, every={self.every}, steps={self.steps})"
+
+
+def _probe_key(module: str, attr: str) -> str:
+    return f"{module}.{attr}" if module else attr

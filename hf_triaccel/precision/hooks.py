@@ -1,0 +1,183 @@
+"""Removable forward hooks that run one module in a chosen compute precision.
+
+The pre-hook opens a ``torch.autocast`` region for the module's forward and the post-hook
+closes it, so the innermost decision wins: a bf16 module inside an fp32 parent computes
+in bf16, and the parent's own operations stay fp32. fp32 disables autocast (CPU and CUDA
+autocast take half-precision dtypes only) and casts half-precision floating inputs to
+float32; the parameters are float32, as under autocast mixed precision. The post-hook is
+registered with ``always_call=True`` so that the region is closed even when the forward
+raises.
+
+Outputs leave a module in the form the surrounding code expects: where autocast is off
+around the module (an fp32 parent, or training without autocast), half-precision outputs
+of a bf16/fp16 module are cast to float32, as the module would have returned them without
+its region; under a surrounding autocast they are left as they are (autocast casts them
+where needed).
+
+fp16 modules are watched for overflow without a host sync: the floating inputs and the
+outputs of each forward are summed in float32 (two reductions), and the output sum is
+added to a device accumulator when the input sum is finite. Finite fp16 values sum far
+below the float32 limit, while an inf or NaN propagates, so the accumulator turns
+non-finite exactly when the module produced a non-finite output from finite inputs --
+modules downstream of an overflow are not blamed for it. The controller reads every
+accumulator at once when it polls.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_triaccel.precision.policy import DTYPES
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module output (nested tuples, lists and dicts, e.g. ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def _to_float32(obj: Any) -> Any:
+    """``obj`` with its half-precision floating tensors cast to float32, containers
+    (named tuples, dict subclasses such as ModelOutput) keeping their type."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.is_floating_point() and obj.element_size() < 4 else obj
+    if isinstance(obj, tuple):
+        items = [_to_float32(x) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_to_float32(x) for x in obj]
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = _to_float32(value)
+        return out
+    return obj
+
+
+def _float32_sum(obj: Any) -> torch.Tensor | None:
+    """Sum of every floating tensor in ``obj``, in float32 (``None`` when there is none)."""
+    total = None
+    for t in _tensors(obj):
+        if t.is_floating_point():
+            s = t.detach().sum(dtype=torch.float32)
+            total = s if total is None else total + s.to(total.device)
+    return total
+
+
+def _device_type(module: nn.Module, args: tuple, kwargs: dict) -> str:
+    """Where the module computes: its first input's device, else its parameters'.
+
+    Read at every call (the model may move after hooking); the input comes first because
+    it is the cheap look-up, a few microseconds less per forward than the parameters.
+    """
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0].device.type
+    for t in _tensors((args, kwargs)):
+        return t.device.type
+    for t in module.parameters():
+        return t.device.type
+    return "cpu"
+
+
+class PrecisionHook:
+    """The hooks that make one module compute in ``precision``.
+
+    Args:
+        module: the module to hook.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``; :attr:`precision` may be changed
+            later, taking effect at the next forward.
+
+    Attributes:
+        overflow: float32 device accumulator of the module's fp16 outputs (``None`` until
+            the first fp16 forward); non-finite once an output overflowed from finite
+            inputs.
+
+    Example:
+        >>> layer = nn.Linear(4, 4)
+        >>> hook = PrecisionHook(layer, "bf16")
+        >>> with torch.autocast("cpu", dtype=torch.float16):
+        ...     layer(torch.randn(2, 4)).dtype
+        torch.bfloat16
+        >>> layer(torch.randn(2, 4)).dtype  # cast back where autocast is off around it
+        torch.float32
+        >>> hook.remove()
+        >>> layer(torch.randn(2, 4)).dtype
+        torch.float32
+    """
+
+    def __init__(self, module: nn.Module, precision: str) -> None:
+        if precision not in DTYPES:
+            raise ValueError(f"unknown precision {precision!r}")
+        self.precision = precision
+        self.overflow: torch.Tensor | None = None
+        # per active forward: (region, device type, precision, fp16 input sum)
+        self._regions: list[tuple[torch.autocast, str, str, torch.Tensor | None]] = []
+        # prepended, so that a later pre-hook that raises still finds the region open
+        self._handles = [
+            module.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True),
+            module.register_forward_hook(self._exit, always_call=True),
+        ]
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict):
+        precision = self.precision
+        device_type = _device_type(module, args, kwargs)
+        if precision == "fp32":
+            region = torch.autocast(device_type, enabled=False)
+        else:
+            region = torch.autocast(device_type, dtype=DTYPES[precision])
+        in_sum = None
+        if precision == "fp16":
+            with torch.no_grad():
+                in_sum = _float32_sum((args, kwargs))
+        region.__enter__()
+        self._regions.append((region, device_type, precision, in_sum))
+        if precision == "fp32":
+            return _to_float32(args), _to_float32(kwargs)
+        return None
+
+    def _exit(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not self._regions:  # the forward failed before this module's pre-hook ran
+            return None
+        region, device_type, precision, in_sum = self._regions.pop()
+        region.__exit__(None, None, None)
+        if output is None or precision == "fp32":
+            return None
+        if precision == "fp16":
+            self._watch(in_sum, output)
+        if torch.is_autocast_enabled(device_type):
+            return None
+        return _to_float32(output)
+
+    def _watch(self, in_sum: torch.Tensor | None, output: Any) -> None:
+        with torch.no_grad():
+            out_sum = _float32_sum(output)
+            if out_sum is None:
+                return
+            if in_sum is not None:  # non-finite inputs: the overflow arose upstream
+                finite_in = torch.isfinite(in_sum.to(out_sum.device))
+                out_sum = torch.where(finite_in, out_sum, torch.zeros_like(out_sum))
+            if self.overflow is None or self.overflow.device != out_sum.device:
+                self.overflow = torch.zeros((), device=out_sum.device)
+            self.overflow.add_(out_sum)
+
+    def remove(self) -> None:
+        """Removes both hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks are registered."""
+        return bool(self._handles)
