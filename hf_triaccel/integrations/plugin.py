@@ -22,8 +22,10 @@ from torch import nn
 
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.fold import EMA_MODES
+from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.dispatch import validate_impl
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+from hf_triaccel.precision import PrecisionController, PrecisionPolicy
 
 OPTIMIZERS = {"adafisher": AdaFisher, "adafisherw": AdaFisherW}
 ENV_PREFIX = "HF_TRIACCEL_"
@@ -83,6 +85,28 @@ class TriAccelPlugin:
         default=None,
         metadata={"help": "Kernels: triton, foreach or reference (default: automatic)."},
     )
+    precision: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Per-module adaptive compute precision (fp32 / bf16 / fp16) steered by "
+            "the Fisher signals (default off)."
+        },
+    )
+    signals_every: int | None = field(
+        default=None,
+        metadata={"help": "Re-evaluate signals and precision every N optimizer steps (200)."},
+    )
+    fp32_fraction: float | None = field(
+        default=None,
+        metadata={"help": "Share of the most sensitive modules kept in fp32 (default 0.25)."},
+    )
+    fp16_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "Share of the least sensitive modules run in fp16 (default 0.25 under "
+            "fp16 mixed precision, where a loss scaler exists, else 0)."
+        },
+    )
 
     _DEFAULTS = {
         "optimizer": "adafisherw",
@@ -94,6 +118,10 @@ class TriAccelPlugin:
         "update_every": None,
         "ema": "reference",
         "impl": None,
+        "precision": False,
+        "signals_every": 200,
+        "fp32_fraction": 0.25,
+        "fp16_fraction": None,
     }
 
     def __post_init__(self) -> None:
@@ -117,6 +145,12 @@ class TriAccelPlugin:
         if self.ema not in EMA_MODES:
             raise ValueError(f"TriAccelPlugin.ema={self.ema!r} is not one of {EMA_MODES}")
         validate_impl(self.impl)
+        for name in ("fp32_fraction", "fp16_fraction"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"TriAccelPlugin.{name}={value!r} must lie in [0, 1]")
+        if self.signals_every < 1:
+            raise ValueError(f"TriAccelPlugin.signals_every={self.signals_every!r} must be >= 1")
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         """Hyperparameters of the optimizer constructor."""
@@ -151,6 +185,57 @@ class TriAccelPlugin:
             params = [p for p in model.parameters() if p.requires_grad]
         return OPTIMIZERS[self.optimizer](params, collector, **self.optimizer_kwargs())
 
+    def build_precision(
+        self, model: nn.Module, optimizer: AdaFisher, *, fp16: bool
+    ) -> tuple[SignalTracker, PrecisionController] | None:
+        """Signals and the precision controller for ``model``, driven by ``optimizer``'s
+        steps; ``None`` unless ``precision`` is on. Their state rides along in the
+        optimizer's ``state_dict``, so every checkpoint that saves the optimizer keeps it.
+
+        Args:
+            model: the unwrapped model the optimizer's collector was built on.
+            optimizer: the AdaFisher optimizer (not the Accelerate wrapper).
+            fp16: whether training runs under fp16 mixed precision (a loss scaler exists).
+        """
+        if not self.precision:
+            return None
+        fp16_fraction = self.fp16_fraction
+        if fp16_fraction is None:
+            fp16_fraction = 0.25 if fp16 else 0.0
+        signals = SignalTracker(optimizer.collector, optimizer, every=self.signals_every)
+        policy = PrecisionPolicy(fp32_fraction=self.fp32_fraction, fp16_fraction=fp16_fraction)
+        controller = PrecisionController(model, policy, tracker=signals)
+        _checkpoint_with(optimizer, signals, controller)
+        return signals, controller
+
+
+_PRECISION_KEY = "triaccel_precision"
+
+
+def _checkpoint_with(
+    optimizer: torch.optim.Optimizer, signals: SignalTracker, controller: PrecisionController
+) -> None:
+    """Adds the signal and precision state to ``optimizer.state_dict()`` and restores it
+    from ``optimizer.load_state_dict()`` (torch's public optimizer hooks)."""
+
+    def save(opt, state_dict):
+        state_dict[_PRECISION_KEY] = {
+            "signals": signals.state_dict(),
+            "precision": controller.state_dict(),
+        }
+        return state_dict
+
+    def load(opt, state_dict):
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(_PRECISION_KEY, None)
+        if saved is not None:
+            signals.load_state_dict(saved["signals"])
+            controller.load_state_dict(saved["precision"])
+        return state_dict
+
+    optimizer.register_state_dict_post_hook(save)
+    optimizer.register_load_state_dict_pre_hook(load)
+
 
 @dataclass
 class TriAccelPrepared:
@@ -160,6 +245,8 @@ class TriAccelPrepared:
     optimizer: Any
     collector: FisherCollector
     others: tuple = ()
+    signals: SignalTracker | None = None
+    precision: PrecisionController | None = None
 
 
 def check_distributed_support(distributed_type: DistributedType) -> None:
@@ -203,5 +290,10 @@ def prepare_triaccel(
     plugin = plugin or TriAccelPlugin()
     check_distributed_support(accelerator.distributed_type)
     optimizer = plugin.build_optimizer(model, params, grad_scaler=accelerator.scaler)
+    controllers = plugin.build_precision(
+        model, optimizer, fp16=accelerator.mixed_precision == "fp16"
+    ) or (None, None)
     prepared = accelerator.prepare(model, optimizer, *others)
-    return TriAccelPrepared(prepared[0], prepared[1], optimizer.collector, tuple(prepared[2:]))
+    return TriAccelPrepared(
+        prepared[0], prepared[1], optimizer.collector, tuple(prepared[2:]), *controllers
+    )

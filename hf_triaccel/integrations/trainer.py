@@ -8,23 +8,30 @@ weight-decay parameter groups are kept.
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
 from hf_triaccel.curvature.fold import EMA_MODES
+from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.data.images import ImageTensors
 from hf_triaccel.dispatch import IMPLS
 from hf_triaccel.integrations.plugin import OPTIMIZERS, TriAccelPlugin, check_distributed_support
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
 from hf_triaccel.integrations.trainer_data import DeviceImageDataLoader
+from hf_triaccel.precision import PrecisionController, plot_precision_map
 
 logger = logging.getLogger(__name__)
+
+PRECISION_MAP_NAME = "precision_map.png"
+SIGNALS_NAME = "signals.json"
 
 
 @dataclass
@@ -70,6 +77,27 @@ class TriAccelArguments(TrainingArguments):
         default=None,
         metadata={"help": "Kernels: triton, foreach or reference (default: automatic)."},
     )
+    triaccel_precision: bool = field(
+        default=False,
+        metadata={
+            "help": "Per-module adaptive compute precision (fp32 / bf16 / fp16) steered by "
+            "the Fisher signals; needs optim adafisher or adafisherw."
+        },
+    )
+    triaccel_signals_every: int = field(
+        default=200,
+        metadata={"help": "Re-evaluate signals and precision every N optimizer steps."},
+    )
+    triaccel_fp32_fraction: float = field(
+        default=0.25, metadata={"help": "Share of the most sensitive modules kept in fp32."}
+    )
+    triaccel_fp16_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "Share of the least sensitive modules run in fp16 (default 0.25 with "
+            "--fp16, where a loss scaler exists, else 0)."
+        },
+    )
     device_data_augment: bool = field(
         default=True,
         metadata={
@@ -86,6 +114,11 @@ class TriAccelArguments(TrainingArguments):
             self._check_adafisher_fields()
             chosen, self.optim = self.optim, "adamw_torch"  # let the parent validate the rest
         super().__post_init__()
+        if self.triaccel_precision and not ours:
+            raise ValueError(
+                f"TriAccelArguments.triaccel_precision needs optim adafisher or adafisherw "
+                f"(its signals come from the Fisher factors), got optim={self.optim!r}"
+            )
         if ours:
             self.optim = chosen
             if self.fsdp or self.deepspeed:
@@ -112,6 +145,17 @@ class TriAccelArguments(TrainingArguments):
             ),
             ("learning_rate", self.learning_rate >= 0.0, "needs >= 0"),
             ("weight_decay", self.weight_decay >= 0.0, "needs >= 0"),
+            ("triaccel_signals_every", self.triaccel_signals_every >= 1, "needs >= 1"),
+            (
+                "triaccel_fp32_fraction",
+                0.0 <= self.triaccel_fp32_fraction <= 1.0,
+                "must lie in [0, 1]",
+            ),
+            (
+                "triaccel_fp16_fraction",
+                self.triaccel_fp16_fraction is None or 0.0 <= self.triaccel_fp16_fraction <= 1.0,
+                "must lie in [0, 1]",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -136,6 +180,10 @@ class TriAccelArguments(TrainingArguments):
             update_every=self.adafisher_update_every,
             ema=self.adafisher_ema,
             impl=self.triaccel_impl,
+            precision=self.triaccel_precision,
+            signals_every=self.triaccel_signals_every,
+            fp32_fraction=self.triaccel_fp32_fraction,
+            fp16_fraction=self.triaccel_fp16_fraction,
         )
 
 
@@ -186,6 +234,8 @@ class TriAccelTrainer(Trainer):
                 )
         self.telemetry = EfficiencyTelemetry()
         self.add_callback(self.telemetry)
+        self.signals: SignalTracker | None = None
+        self.precision: PrecisionController | None = None
 
     @property
     def collector(self):
@@ -200,13 +250,22 @@ class TriAccelTrainer(Trainer):
                     f"optim={self.args.optim!r} and optimizer_cls_and_kwargs were both given"
                 )
             plugin = self.args.to_plugin()
-            opt_model = self.model if model is None else model
-            collector = plugin.build_collector(self.accelerator.unwrap_model(opt_model))
+            unwrapped = self.accelerator.unwrap_model(self.model if model is None else model)
+            collector = plugin.build_collector(unwrapped)
             collector.grad_scaler = self.accelerator.scaler
             self.optimizer_cls_and_kwargs = (
                 OPTIMIZERS[plugin.optimizer],
                 {"collector": collector, **plugin.optimizer_kwargs()},
             )
+            optimizer = super().create_optimizer(model)
+            controllers = plugin.build_precision(
+                unwrapped, getattr(optimizer, "optimizer", optimizer), fp16=self.args.fp16
+            )
+            if controllers is not None:
+                self.signals, self.precision = controllers
+                self.telemetry.add_provider(self.precision.counts)
+                self.add_callback(_PrecisionReport(self.precision, self.signals))
+            return optimizer
         return super().create_optimizer(model)
 
     def compute_loss(
@@ -270,3 +329,20 @@ class TriAccelTrainer(Trainer):
         if "loss" in logs:  # a training log, not an evaluation one
             logs.update(self.telemetry.window_metrics())
         super().log(logs, start_time)
+
+
+class _PrecisionReport(TrainerCallback):
+    """At the end of training: the precision map (PNG) and the last signals (JSON)."""
+
+    def __init__(self, precision: PrecisionController, signals: SignalTracker) -> None:
+        self.precision, self.signals = precision, signals
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        plot_precision_map(
+            self.precision.events, out / PRECISION_MAP_NAME, last_step=state.global_step
+        )
+        (out / SIGNALS_NAME).write_text(json.dumps(self.signals.as_dict(), indent=2))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -59,3 +61,26 @@ def test_prepare_returns_a_training_loop_kit():
 def test_sharded_modes_are_refused(kind):
     with pytest.raises(NotImplementedError, match="DDP"):
         check_distributed_support(getattr(accelerate.utils.DistributedType, kind))
+
+
+def test_prepare_with_adaptive_precision_checkpoints_its_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    plugin = TriAccelPlugin(lr=1e-4, update_every=1, precision=True, signals_every=2)
+    run = prepare_triaccel(accelerate.Accelerator(cpu=True), model, plugin)
+    for _ in range(6):  # decisions need two agreeing evaluations (steps 2 and 4)
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        nn.functional.cross_entropy(run.model(x), y).backward()
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    assert run.signals.steps == 6 and set(run.precision.decisions) == {"0", "2", "4"}
+    state = run.optimizer.state_dict()
+    fresh = prepare_triaccel(accelerate.Accelerator(cpu=True), copy.deepcopy(model), plugin)
+    fresh.optimizer.load_state_dict(state)
+    assert fresh.precision.state_dict() == run.precision.state_dict()
+    assert fresh.signals.steps == 6
+
+
+def test_precision_is_off_by_default():
+    run = prepare_triaccel(accelerate.Accelerator(cpu=True), nn.Linear(3, 2))
+    assert run.precision is None and run.signals is None

@@ -185,3 +185,24 @@ def test_arguments_parse_from_the_command_line(tmp_path):
     plugin = args.to_plugin()
     assert (plugin.optimizer, plugin.update_every) == ("adafisher", 50)
     assert os.fspath(args.output_dir) == str(tmp_path)
+
+
+def test_adaptive_precision_through_the_trainer(tmp_path):
+    args = make_args(
+        tmp_path, max_steps=4, triaccel_precision=True, triaccel_signals_every=2, logging_steps=4
+    )
+    trainer = TriAccelTrainer(model=tiny_timm(), args=args, train_dataset=ImageSet())
+    trainer.train()
+    assert trainer.precision is not None and trainer.signals.steps == 4
+    assert set(trainer.precision.decisions.values()) <= {"fp32", "bf16"}  # no fp16 without --fp16
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    assert log["precision_fp32"] + log["precision_bf16"] == len(trainer.precision.decisions)
+    assert (tmp_path / "precision_map.png").stat().st_size > 0
+    assert json.loads((tmp_path / "signals.json").read_text())
+    saved = trainer.optimizer.state_dict()["triaccel_precision"]
+    assert saved["precision"] == trainer.precision.state_dict()
+
+
+def test_precision_needs_adafisher(tmp_path):
+    with pytest.raises(ValueError, match="triaccel_precision"):
+        TriAccelArguments(output_dir=str(tmp_path), optim="adamw_torch", triaccel_precision=True)
