@@ -287,6 +287,10 @@ class TriAccelTrainer(Trainer):
         labels = inputs["labels"]
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(logits, labels, num_items_in_batch=num_items_in_batch)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                # as the stock compute_loss: the loss is normalised by the global item
+                # count, and DDP averages gradients over processes
+                loss = loss * self.accelerator.num_processes
         else:
             loss = F.cross_entropy(logits.float(), labels)
         return (loss, {"logits": logits}) if return_outputs else loss

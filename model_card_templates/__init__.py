@@ -1,0 +1,1 @@
+"""Jinja model-card templates (``*.md``), installed as ``hf_triaccel.model_card_templates``."""

@@ -1,0 +1,240 @@
+"""Model-card templates, card rendering and Hub publishing (the Hub mocked, no network)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+pytest.importorskip("jinja2")
+
+from huggingface_hub import ModelCard, RepoUrl  # noqa: E402
+
+from hf_triaccel.integrations import model_card  # noqa: E402
+from hf_triaccel.integrations.model_card import (  # noqa: E402
+    PushToHubError,
+    build_card,
+    push_run,
+    templates_dir,
+    write_card,
+)
+
+TEMPLATES = sorted(templates_dir().glob("*.md"))
+
+
+def sample_results(baseline: bool = True) -> dict:
+    """Results of a GPU run as run_recipe writes them."""
+    results = {
+        "recipe": "cifar10_resnet18",
+        "title": "CIFAR-10",
+        "model": "resnet18_cifar",
+        "dataset": "uoft-cs/cifar10",
+        "dataset_id": "uoft-cs/cifar10",
+        "train_split": "train",
+        "eval_split": "test",
+        "train_samples": 50000,
+        "eval_samples": 10000,
+        "num_classes": 10,
+        "image_size": [32, 32],
+        "normalisation": {"mean": [0.49, 0.48, 0.45], "std": [0.25, 0.24, 0.26]},
+        "eval_accuracy": 0.89913,
+        "eval_loss": 0.61,
+        "train_runtime_s": 73.25,
+        "eval_runtime_s": 6.5,
+        "step_time_ms": 20.18,
+        "samples_per_second": 25371.6,
+        "timing_windows": 145,
+        "peak_memory_gb": 1.331,
+        "optimizer_steps": 2910,
+        "epochs": 30.0,
+        "device": "NVIDIA H200",
+        "versions": {"hf-triaccel": "0.1.0", "torch": "2.11.0", "triton": None},
+        "settings": {
+            "optim": "adafisher",
+            "learning_rate": 3e-3,
+            "weight_decay": 5e-4,
+            "lr_scheduler_type": "cosine",
+            "warmup_steps": 0.3,
+            "per_device_train_batch_size": 512,
+            "gradient_accumulation_steps": 1,
+            "world_size": 1,
+            "total_batch_size": 512,
+            "num_train_epochs": 30.0,
+            "max_steps": -1,
+            "precision": "bf16 autocast",
+            "label_smoothing": 0.1,
+            "augmentation": "random crop and flip",
+            "seed": 42,
+            "adafisher": {
+                "gamma": 0.8,
+                "damping": 1e-3,
+                "beta": 0.9,
+                "update_every": 100,
+                "ema": "reference",
+                "impl": "auto",
+            },
+        },
+        "output_dir": "outputs/cifar10_resnet18",
+        "command": "accelerate launch recipes/cifar10_resnet18.py --baseline",
+        "baseline": None,
+        "comparison": None,
+        "plots": {"loss": "loss.png", "accuracy": "accuracy.png", "memory": "memory.png"},
+    }
+    if baseline:
+        settings = dict(results["settings"], optim="adamw_torch_fused", adafisher=None)
+        results["baseline"] = {
+            "optim": "adamw_torch_fused",
+            "eval_accuracy": 0.8885,
+            "train_runtime_s": 74.0,
+            "samples_per_second": 25321.0,
+            "step_time_ms": 20.22,
+            "peak_memory_gb": 1.38,
+            "device": "NVIDIA H200",
+            "settings": dict(settings, learning_rate=3e-3, weight_decay=0.05),
+            "source": "outputs/cifar10_resnet18/baseline",
+            "same_run": True,
+        }
+        results["comparison"] = {
+            "accuracy_points": 1.06,
+            "train_time_ratio": 0.99,
+            "throughput_ratio": 1.002,
+            "peak_memory_ratio": 0.964,
+        }
+    return results
+
+
+def metadata(card: ModelCard) -> dict:
+    _, header, _ = str(card).split("---\n", 2)
+    return yaml.safe_load(header)
+
+
+def test_there_are_templates():
+    assert TEMPLATES, f"no templates in {templates_dir()}"
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
+@pytest.mark.parametrize("baseline", [True, False], ids=["baseline", "alone"])
+def test_template_renders_with_parseable_front_matter(template, baseline):
+    results = sample_results(baseline)
+    card = build_card(results, repo_id="me/cifar10-resnet18", template=template)
+    meta = metadata(card)
+    index = meta["model-index"][0]
+    assert index["name"] == "cifar10-resnet18"
+    result = index["results"][0]
+    assert result["task"]["type"] == "image-classification"
+    assert result["dataset"] == {"name": "CIFAR-10", "type": "uoft-cs/cifar10", "split": "test"}
+    assert result["metrics"][0]["type"] == "accuracy"
+    assert result["metrics"][0]["value"] == 0.8991
+    assert meta["datasets"] == ["uoft-cs/cifar10"] and meta["library_name"] == "timm"
+    # the Hub's parser reads the same metadata back
+    assert ModelCard(str(card)).data.eval_results[0].metric_value == 0.8991
+    assert ("## Against the baseline" in card.content) == baseline
+
+
+def test_card_carries_the_run_figures():
+    content = build_card(sample_results(), repo_id="me/cifar10-resnet18").content
+    for text in (
+        "89.91%",  # accuracy
+        "73.2 s",  # training time
+        "25371.6 samples/s",
+        "20.18 ms",
+        "1.331 GiB",
+        "NVIDIA H200",
+        "`adafisher`, learning rate 0.003, weight decay 0.0005",
+        "refreshed every 100 steps",
+        "bf16 autocast",
+        "88.85%",  # the baseline's accuracy
+        "+1.06 points",
+        "0.964x",
+        "same command",
+        "![memory](memory.png)",
+        'load_trained("me/cifar10-resnet18")',
+        "accelerate launch recipes/cifar10_resnet18.py --baseline",
+    ):
+        assert text in content, text
+    assert "triton" not in content.split("Versions:")[1]  # versions not installed are left out
+
+
+def test_card_without_gpu_figures_or_hub_dataset():
+    results = sample_results(baseline=False)
+    results.update(peak_memory_gb=None, timing_windows=0, dataset="/data/cifar10", dataset_id=None)
+    card = build_card(results)
+    meta = metadata(card)
+    assert "datasets" not in meta
+    assert meta["model-index"][0]["results"][0]["dataset"]["type"] == "cifar10"
+    assert meta["model-index"][0]["name"] == "cifar10_resnet18"  # the output folder's name
+    assert "| peak GPU memory | n/a" in card.content
+    assert "local copy: `/data/cifar10`" in card.content
+    assert "whole run, evaluations left out" in card.content
+
+
+def test_card_of_a_separate_baseline_run():
+    results = sample_results()
+    results["baseline"]["same_run"] = False
+    assert "separate run (`outputs/cifar10_resnet18/baseline`" in build_card(results).content
+
+
+def test_write_card_saves_readme(tmp_path):
+    path = write_card(sample_results(), tmp_path, repo_id="me/x")
+    assert path == tmp_path / "README.md"
+    assert ModelCard.load(path).data.model_name == "x"
+
+
+class RecordingHfApi:
+    """A Hub client that records calls; ``create_repo`` names the repo in ``me/``."""
+
+    calls: list = []
+
+    def __init__(self, token=None) -> None:
+        self.calls.append(("init", token))
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+        return RepoUrl(f"https://huggingface.co/me/{repo_id.split('/')[-1]}")
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs))
+
+
+def test_push_creates_the_repo_then_uploads_the_folder_with_its_card(tmp_path, monkeypatch):
+    monkeypatch.setattr(model_card, "HfApi", RecordingHfApi)
+    RecordingHfApi.calls = []
+    results = sample_results()
+    write_card(results, tmp_path, repo_id="cifar10-resnet18")
+    url = push_run(results, tmp_path, "cifar10-resnet18", token="hf_x", private=True)
+    assert url == "https://huggingface.co/me/cifar10-resnet18"
+    init, create, upload = RecordingHfApi.calls
+    assert init == ("init", "hf_x")
+    assert create == (
+        "create_repo",
+        "cifar10-resnet18",
+        {"private": True, "exist_ok": True, "repo_type": "model"},
+    )
+    assert upload[1]["repo_id"] == "me/cifar10-resnet18"
+    assert upload[1]["folder_path"] == tmp_path
+    assert "checkpoint-*/**" in upload[1]["ignore_patterns"]
+    # the card now names the full repository id
+    assert 'load_trained("me/cifar10-resnet18")' in (tmp_path / "README.md").read_text()
+
+
+@pytest.mark.parametrize("failing", ["create_repo", "upload_folder"])
+def test_push_failure_is_one_clear_error_and_keeps_the_card(tmp_path, monkeypatch, failing):
+    class FailingHfApi(RecordingHfApi):
+        def create_repo(self, repo_id, **kwargs):
+            if failing == "create_repo":
+                raise OSError("Network is unreachable")
+            return super().create_repo(repo_id, **kwargs)
+
+        def upload_folder(self, **kwargs):
+            raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(model_card, "HfApi", FailingHfApi)
+    results = copy.deepcopy(sample_results())
+    card = write_card(results, tmp_path, repo_id="me/x")
+    with pytest.raises(PushToHubError, match="could not publish") as error:
+        push_run(results, tmp_path, "me/x")
+    message = str(error.value)
+    assert "OSError: Network is unreachable" in message and "Nothing is lost" in message
+    assert f"hf upload me/x {tmp_path} ." in message
+    assert card.is_file() and "model-index" in card.read_text()
