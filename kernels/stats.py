@@ -6,7 +6,9 @@ both tall-skinny inputs (Linear: 512K rows, hundreds of columns) and short-wide 
 (conv inputs reduced over a batch of 512, tens of thousands of columns) fill the GPU.
 Each split writes its own row of a float32 partials buffer and a second small kernel
 adds the rows in a fixed order, so results are bitwise reproducible from run to run
-(no atomics).
+(no atomics). Whichever kernel produces the totals also applies the caller's epilogue
+(square, scale, write or add into a given buffer), so that a Fisher statistic is
+accumulated with no operation besides the one or two launches.
 
 :func:`fold_triton` folds every Fisher factor of a model in a single launch: one
 program per factor, addressed through a device table of data pointers.
@@ -44,22 +46,41 @@ _FOLD_TABLE_CACHE_SIZE = 8
 
 
 @triton.jit
+def _store_result(
+    out_ptr, offs, mask, total, scale, ACCUMULATE: tl.constexpr, SQUARE_RESULT: tl.constexpr
+):
+    """``out[offs] (+)= scale * total`` (``total**2`` when ``SQUARE_RESULT``), masked."""
+    if SQUARE_RESULT:
+        total = total * total
+    total = total * scale
+    if ACCUMULATE:
+        total += tl.load(out_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, total, mask=mask)
+
+
+@triton.jit
 def _sum_rows_kernel(
     x_ptr,
-    part_ptr,
+    dst_ptr,
     n_rows,
     n_cols,
     stride_row,
     rows_per_split,
+    scale,
     SQUARE: tl.constexpr,
+    FINAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    SQUARE_RESULT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """Partial column sums of one (rows_per_split, BLOCK_D) slab of ``x``.
 
-    Grid: (column blocks, splits). ``x`` is (n_rows, n_cols) with unit column stride;
-    ``part`` is (splits, n_cols) float32 and this program fills
-    ``part[split, block columns]``.
+    Grid: (column blocks, splits). ``x`` is (n_rows, n_cols) with unit column stride.
+    With ``FINAL`` (a single split) this program's sums are the column totals and go
+    through the result epilogue into ``dst`` (n_cols,); otherwise ``dst`` is the
+    (splits, n_cols) float32 partials buffer and this program fills
+    ``dst[split, block columns]``.
     """
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -79,13 +100,17 @@ def _sum_rows_kernel(
             acc += v * v
         else:
             acc += v
-    tl.store(part_ptr + pid_s * n_cols + cols, tl.sum(acc, axis=0), mask=col_mask)
+    total = tl.sum(acc, axis=0)
+    if FINAL:
+        _store_result(dst_ptr, cols, col_mask, total, scale, ACCUMULATE, SQUARE_RESULT)
+    else:
+        tl.store(dst_ptr + pid_s * n_cols + cols, total, mask=col_mask)
 
 
 @triton.jit
 def _channel_sum_kernel(
     x_ptr,
-    part_ptr,
+    dst_ptr,
     n_chan,
     n_pos,
     stride_b,
@@ -93,7 +118,11 @@ def _channel_sum_kernel(
     n_pos_blocks,
     items_per_split,
     n_items,
+    scale,
     SQUARE: tl.constexpr,
+    FINAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    SQUARE_RESULT: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
@@ -102,7 +131,9 @@ def _channel_sum_kernel(
     Grid: (channel blocks, splits). A work item is one (batch, position block) pair,
     numbered ``b * n_pos_blocks + l_block``; each split takes a contiguous run of items
     so that both a large batch and long rows can be spread over many programs.
-    ``part`` is (splits, C) float32; this program fills ``part[split, block channels]``.
+    With ``FINAL`` (a single split) the sums go through the result epilogue into
+    ``dst`` (C,); otherwise ``dst`` is (splits, C) float32 and this program fills
+    ``dst[split, block channels]``.
     """
     pid_c = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -122,14 +153,27 @@ def _channel_sum_kernel(
             acc += v * v
         else:
             acc += v
-    tl.store(part_ptr + pid_s * n_chan + chans, tl.sum(acc, axis=1), mask=chan_mask)
+    total = tl.sum(acc, axis=1)
+    if FINAL:
+        _store_result(dst_ptr, chans, chan_mask, total, scale, ACCUMULATE, SQUARE_RESULT)
+    else:
+        tl.store(dst_ptr + pid_s * n_chan + chans, total, mask=chan_mask)
 
 
 @triton.jit
 def _finish_kernel(
-    part_ptr, out_ptr, n_splits, n_cols, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr
+    part_ptr,
+    out_ptr,
+    n_splits,
+    n_cols,
+    scale,
+    ACCUMULATE: tl.constexpr,
+    SQUARE_RESULT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """``out[j] = sum_s part[s, j]`` for ``part`` (n_splits, n_cols), in a fixed order.
+    """``out[j] (+)= scale * sum_s part[s, j]`` (the sum squared when ``SQUARE_RESULT``)
+    for ``part`` (n_splits, n_cols), summed in a fixed order.
 
     Grid: (column blocks,). Loads (BLOCK_S, BLOCK_N) tiles so that hundreds of splits
     cost a few loop steps rather than one dependent load each.
@@ -141,7 +185,8 @@ def _finish_kernel(
         splits = s + tl.arange(0, BLOCK_S)  # (BLOCK_S,)
         mask = (splits < n_splits)[:, None] & col_mask[None, :]  # (BLOCK_S, BLOCK_N)
         acc += tl.load(part_ptr + splits[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
+    total = tl.sum(acc, axis=0)
+    _store_result(out_ptr, cols, col_mask, total, scale, ACCUMULATE, SQUARE_RESULT)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -183,63 +228,111 @@ def _split(n_units: int, n_blocks: int, device: torch.device) -> tuple[int, int]
     return per_split, _cdiv(n_units, per_split)
 
 
-def _finish(part: torch.Tensor, out: torch.Tensor) -> None:
-    """Adds the rows of ``part`` (splits, n) into ``out`` (n,); a no-op with one split."""
-    splits, n = part.shape
-    if splits == 1:
-        return
-    block_n = min(_pow2(n), _FINISH_BLOCK_N)
-    block_s = min(_pow2(splits), max(1, _TILE // block_n))
-    _finish_kernel[(_cdiv(n, block_n),)](
-        part, out, splits, n, BLOCK_S=block_s, BLOCK_N=block_n, num_warps=_NUM_WARPS
-    )
-
-
-def _partials(splits: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (partials, output) pair; with one split the partials are the output itself."""
-    out = torch.empty(n, dtype=torch.float32, device=device)
-    if splits == 1:
-        return out.view(1, n), out
-    return torch.empty(splits, n, dtype=torch.float32, device=device), out
-
-
-def _launch_sum_rows(x: torch.Tensor, square: bool) -> torch.Tensor:
-    """Column sums of ``x`` (N, D) whose columns have unit stride; N, D >= 1."""
-    n, d = x.shape
+# The launch geometry depends only on the sizes: the statistics hooks call the kernels
+# with the same few shapes on every refresh step, so it is worked out once per shape.
+@functools.lru_cache(maxsize=1024)
+def _sum_rows_geometry(n: int, d: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_D, column blocks, rows per split, splits) for an (n, d) input."""
     block_d = min(_pow2(d), _MAX_BLOCK_D)
     block_n = min(max(1, _TILE // block_d), _pow2(n))
     col_blocks = _cdiv(d, block_d)
-    blocks_per_split, splits = _split(_cdiv(n, block_n), col_blocks, x.device)
-    part, out = _partials(splits, d, x.device)
-    _sum_rows_kernel[(col_blocks, splits)](
-        x,
-        part,
-        n,
-        d,
-        x.stride(0),
-        blocks_per_split * block_n,
-        SQUARE=square,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=_NUM_WARPS,
-    )
-    _finish(part, out)
-    return out
+    blocks_per_split, splits = _split(_cdiv(n, block_n), col_blocks, device)
+    return block_n, block_d, col_blocks, blocks_per_split * block_n, splits
 
 
-def _launch_channel_sum(x: torch.Tensor, square: bool) -> torch.Tensor:
-    """Per-channel sums of ``x`` (B, C, L) with unit stride along L; B, C, L >= 1."""
-    b, c, length = x.shape
+@functools.lru_cache(maxsize=1024)
+def _channel_sum_geometry(
+    b: int, c: int, length: int, device: torch.device
+) -> tuple[int, int, int, int, int, int, int]:
+    """(BLOCK_C, BLOCK_L, channel blocks, position blocks, items, items per split,
+    splits) for a (b, c, length) input."""
     block_l = min(_pow2(length), _MAX_BLOCK_L)
     block_c = min(max(1, _TILE // block_l), _pow2(c))
     chan_blocks = _cdiv(c, block_c)
     pos_blocks = _cdiv(length, block_l)
     n_items = b * pos_blocks
-    items_per_split, splits = _split(n_items, chan_blocks, x.device)
-    part, out = _partials(splits, c, x.device)
+    items_per_split, splits = _split(n_items, chan_blocks, device)
+    return block_c, block_l, chan_blocks, pos_blocks, n_items, items_per_split, splits
+
+
+def _finish(
+    part: torch.Tensor,
+    out: torch.Tensor,
+    scale: float = 1.0,
+    accumulate: bool = False,
+    square_result: bool = False,
+) -> None:
+    """Adds the rows of ``part`` (splits, n) and writes (or adds) the scaled total into
+    ``out`` (n,)."""
+    splits, n = part.shape
+    block_n = min(_pow2(n), _FINISH_BLOCK_N)
+    block_s = min(_pow2(splits), max(1, _TILE // block_n))
+    _finish_kernel[(_cdiv(n, block_n),)](
+        part,
+        out,
+        splits,
+        n,
+        scale,
+        ACCUMULATE=accumulate,
+        SQUARE_RESULT=square_result,
+        BLOCK_S=block_s,
+        BLOCK_N=block_n,
+        num_warps=_NUM_WARPS,
+    )
+
+
+def _launch_sum_rows(
+    x: torch.Tensor,
+    square: bool,
+    out: torch.Tensor,
+    scale: float,
+    accumulate: bool,
+    square_result: bool,
+) -> None:
+    """Column sums of ``x`` (N, D) whose columns have unit stride, into ``out``; N, D >= 1."""
+    n, d = x.shape
+    block_n, block_d, col_blocks, rows_per_split, splits = _sum_rows_geometry(n, d, x.device)
+    final = splits == 1
+    dst = out if final else torch.empty(splits, d, dtype=torch.float32, device=x.device)
+    _sum_rows_kernel[(col_blocks, splits)](
+        x,
+        dst,
+        n,
+        d,
+        x.stride(0),
+        rows_per_split,
+        scale,
+        SQUARE=square,
+        FINAL=final,
+        ACCUMULATE=accumulate and final,
+        SQUARE_RESULT=square_result and final,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=_NUM_WARPS,
+    )
+    if not final:
+        _finish(dst, out, scale, accumulate, square_result)
+
+
+def _launch_channel_sum(
+    x: torch.Tensor,
+    square: bool,
+    out: torch.Tensor,
+    scale: float,
+    accumulate: bool,
+    square_result: bool,
+) -> None:
+    """Per-channel sums of ``x`` (B, C, L) with unit stride along L, into ``out``;
+    B, C, L >= 1."""
+    b, c, length = x.shape
+    block_c, block_l, chan_blocks, pos_blocks, n_items, items_per_split, splits = (
+        _channel_sum_geometry(b, c, length, x.device)
+    )
+    final = splits == 1
+    dst = out if final else torch.empty(splits, c, dtype=torch.float32, device=x.device)
     _channel_sum_kernel[(chan_blocks, splits)](
         x,
-        part,
+        dst,
         c,
         length,
         x.stride(0),
@@ -247,13 +340,17 @@ def _launch_channel_sum(x: torch.Tensor, square: bool) -> torch.Tensor:
         pos_blocks,
         items_per_split,
         n_items,
+        scale,
         SQUARE=square,
+        FINAL=final,
+        ACCUMULATE=accumulate and final,
+        SQUARE_RESULT=square_result and final,
         BLOCK_C=block_c,
         BLOCK_L=block_l,
         num_warps=_NUM_WARPS,
     )
-    _finish(part, out)
-    return out
+    if not final:
+        _finish(dst, out, scale, accumulate, square_result)
 
 
 def _unit_stride(x: torch.Tensor, dim: int) -> bool:
@@ -261,45 +358,109 @@ def _unit_stride(x: torch.Tensor, dim: int) -> bool:
     return x.shape[dim] == 1 or x.stride(dim) == 1
 
 
-def sum_rows_triton(x: torch.Tensor, square: bool) -> torch.Tensor:
+def _destination(
+    out: torch.Tensor | None, n: int, device: torch.device, accumulate: bool
+) -> torch.Tensor:
+    """``out`` checked for the kernels' direct writes, or a new float32 vector of ``n``."""
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs an out tensor to add to")
+        return torch.empty(n, dtype=torch.float32, device=device)
+    if out.dtype != torch.float32 or out.shape != (n,) or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float32 tensor of shape ({n},), got {out.dtype} of "
+            f"shape {tuple(out.shape)}"
+        )
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, the input on {device}")
+    return out
+
+
+def _empty_result(out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """The result of a reduction over nothing: zeros (added: nothing changes)."""
+    if not accumulate:
+        out.zero_()
+    return out
+
+
+def sum_rows_triton(
+    x: torch.Tensor,
+    square: bool,
+    *,
+    out: torch.Tensor | None = None,
+    scale: float = 1.0,
+    accumulate: bool = False,
+    square_result: bool = False,
+) -> torch.Tensor:
     """Column sums of ``x`` (N, D), of ``x * x`` when ``square``, as float32 (D,).
 
     ``x`` is read once in its own dtype. A transposed input (unit row stride) is summed
-    as the channels of a (1, D, N) view instead of being copied.
+    as the channels of a (1, D, N) view instead of being copied. The epilogue runs in
+    the kernel: the sums are squared when ``square_result``, multiplied by ``scale``,
+    and written into ``out`` (or added to it when ``accumulate``), so that a caller
+    accumulating statistics needs no other operation.
+
+    Args:
+        x: (N, D) input, float32, bfloat16 or float16.
+        square: sum ``x * x`` instead of ``x``.
+        out: contiguous float32 (D,) destination; a new tensor when ``None``.
+        scale: factor applied to the (squared) sums.
+        accumulate: add into ``out`` instead of overwriting it.
+        square_result: square the sums before scaling.
+
+    Returns:
+        ``out``, or the new tensor.
 
     Example:
         >>> sum_rows_triton(torch.ones(4, 3), square=True)
         tensor([4., 4., 4.])
     """
     n, d = x.shape
+    out = _destination(out, d, x.device, accumulate)
     if n == 0 or d == 0:
-        return torch.zeros(d, dtype=torch.float32, device=x.device)
+        return _empty_result(out, accumulate)
     if _unit_stride(x, 1):
-        return _launch_sum_rows(x, square)
-    if _unit_stride(x, 0):
-        return _launch_channel_sum(x.t().unsqueeze(0), square)
-    return _launch_sum_rows(x.contiguous(), square)
+        _launch_sum_rows(x, square, out, scale, accumulate, square_result)
+    elif _unit_stride(x, 0):
+        _launch_channel_sum(x.t().unsqueeze(0), square, out, scale, accumulate, square_result)
+    else:
+        _launch_sum_rows(x.contiguous(), square, out, scale, accumulate, square_result)
+    return out
 
 
-def channel_sum_triton(x: torch.Tensor, square: bool) -> torch.Tensor:
+def channel_sum_triton(
+    x: torch.Tensor,
+    square: bool,
+    *,
+    out: torch.Tensor | None = None,
+    scale: float = 1.0,
+    accumulate: bool = False,
+    square_result: bool = False,
+) -> torch.Tensor:
     """Per-channel sums of ``x`` (B, C, L) over dims 0 and 2, as float32 (C,).
 
     ``x`` is read once in its own dtype. Channels-last input (unit channel stride), and
-    any input with L == 1, is summed as the columns of a (B * L, C) view instead.
+    any input with L == 1, is summed as the columns of a (B * L, C) view instead. The
+    keyword arguments are those of :func:`sum_rows_triton`.
 
     Example:
         >>> channel_sum_triton(torch.ones(2, 3, 5), square=False)
         tensor([10., 10., 10.])
     """
     b, c, length = x.shape
-    if b == 0 or c == 0 or length == 0:
-        return torch.zeros(c, dtype=torch.float32, device=x.device)
     if length == 1 or (x.stride(1) == 1 and not _unit_stride(x, 2)):
         # reshape stays a view for channels-last and L == 1; it copies only odd layouts
-        return sum_rows_triton(x.transpose(1, 2).reshape(b * length, c), square)
+        rows = x.transpose(1, 2).reshape(b * length, c)
+        return sum_rows_triton(
+            rows, square, out=out, scale=scale, accumulate=accumulate, square_result=square_result
+        )
+    out = _destination(out, c, x.device, accumulate)
+    if b == 0 or c == 0 or length == 0:
+        return _empty_result(out, accumulate)
     if not _unit_stride(x, 2):
         x = x.contiguous()
-    return _launch_channel_sum(x, square)
+    _launch_channel_sum(x, square, out, scale, accumulate, square_result)
+    return out
 
 
 @triton.jit

@@ -22,9 +22,16 @@ step, and then only that table, one pointer per tensor, is copied again. With ca
 tables a call only launches kernels (no allocation, no host-device synchronisation),
 so it can be captured in a CUDA graph after one uncaptured warm-up call.
 
-Tensors that are not contiguous (a ``channels_last`` convolution weight, say) are
-left to the reference implementation: the factor layouts index elements in logical
-(row-major) order, which only matches memory order for contiguous tensors.
+The factor layouts index elements in logical (row-major) order. A ``channels_last``
+convolution weight (with its gradient and momentum in the same layout) runs over
+(out, kh, kw, in) in memory: it goes to a launch of its own, whose kernel maps each
+memory position within an output row back to the factor's (in, kh, kw) index. Tensors
+in any other non-contiguous layout are left to the reference implementation.
+
+:func:`fused_adafisher` finds its tables from the arguments on every call (a key of
+every pointer it encodes). :class:`FusedAdaFisher` is the same update bound to one
+fixed set of tensors, for a caller that owns them (the optimizer): a call then checks
+only the parameters' and gradients' addresses.
 """
 
 from __future__ import annotations
@@ -70,7 +77,9 @@ _T_G_MOD = tl.constexpr(7)
 _T_A_DIV = tl.constexpr(8)
 _T_A_MOD = tl.constexpr(9)
 _T_HAS_FACTORS = tl.constexpr(10)
-_T_COLS = tl.constexpr(11)
+_T_A_INNER = tl.constexpr(11)  # channels-last weights: C_in, and kh * kw (else 1 and 1)
+_T_A_OUTER = tl.constexpr(12)
+_T_COLS = tl.constexpr(13)
 
 # Columns of the chunk table (int64, one row per program). A chunk starting at flat
 # element s has s = q_g * g_div + g_rem; g_qmod = q_g % g_mod (likewise for a), so the
@@ -119,6 +128,7 @@ def _adafisher_kernel(
     L2_DECAY: tl.constexpr,  # weight decay added to the gradient (AdaFisher)
     DECOUPLED_DECAY: tl.constexpr,  # weight decay added to the direction (AdaFisherW)
     ALIGNED: tl.constexpr,  # every param / grad / momentum pointer is 16-byte aligned
+    CHANNELS_LAST: tl.constexpr,  # 4-D weights stored (out, kh, kw, in): see below
     BLOCK: tl.constexpr,
 ):
     chunk = chunk_table + tl.program_id(0) * _C_COLS
@@ -181,7 +191,14 @@ def _adafisher_kernel(
     # measured 5% faster); every value is below 2**31 (sizes are checked on the host).
     k = j.to(tl.uint32)
     g_idx = ((g_qmod + (g_rem + k) // g_div) % g_mod).to(tl.int32)  # [BLOCK]
-    a_idx = ((a_qmod + (a_rem + k) // a_div) % a_mod).to(tl.int32)  # [BLOCK]
+    a_idx = (a_qmod + (a_rem + k) // a_div) % a_mod  # [BLOCK]
+    if CHANNELS_LAST:
+        # The layout is out_in over rows of a_mod = C_in * kh * kw entries, so a_idx is the
+        # position within the row in memory order, (kh, kw, C_in); a is in (C_in, kh, kw).
+        inner = tl.load(row + _T_A_INNER).to(tl.uint32)
+        outer = tl.load(row + _T_A_OUTER).to(tl.uint32)
+        a_idx = (a_idx % inner) * outer + a_idx // inner
+    a_idx = a_idx.to(tl.int32)
     factor_mask = mask & has_factors
     g_fac = tl.load(tl.load(row + _T_G).to(tl.pointer_type(tl.float32)) + g_idx, mask=factor_mask)
     a_fac = tl.load(tl.load(row + _T_A).to(tl.pointer_type(tl.float32)) + a_idx, mask=factor_mask)
@@ -212,12 +229,13 @@ _TL_DTYPES = {
 
 @dataclass
 class _Group:
-    """The tensors of one launch: one (param dtype, grad dtype) pair."""
+    """The tensors of one launch: one (param dtype, grad dtype, memory layout) triple."""
 
     members: list[int]  # positions in the argument lists
     numels: list[int]
     param_dtype: tl.dtype
     grad_dtype: tl.dtype
+    channels_last: bool
     tensor_table: torch.Tensor
     chunk_table: torch.Tensor
     n_chunks: int
@@ -232,8 +250,8 @@ class _Plan:
 
     device: torch.device
     groups: list[_Group]
-    fallback: list[int]  # positions of non-contiguous tensors (reference implementation)
-    grad_signature: tuple  # the gradients' dtypes and contiguity the groups assume
+    fallback: list[int]  # positions of tensors in other layouts (reference implementation)
+    grad_signature: tuple  # the gradients' dtypes and strides the groups assume
     # The ParamFactors whose id() is in the key: holding them keeps the ids unique.
     keep_alive: list[ParamFactors] = field(default_factory=list)
     grad_ptrs: tuple[int, ...] | None = None
@@ -244,7 +262,7 @@ _STATS = {"plans": 0, "grad_tables": 0}
 
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
-_is_contiguous = torch.Tensor.is_contiguous
+_stride = torch.Tensor.stride
 _dtype = operator.attrgetter("dtype")
 _g_of = operator.attrgetter("g")
 _a_of = operator.attrgetter("a")
@@ -273,7 +291,7 @@ def _plan_key(params, moms, factors, steps) -> tuple:
 
 def _grad_signature(grads) -> tuple:
     """What the grouping assumes of the gradients; checked when their pointers change."""
-    return tuple(map(_dtype, grads)), tuple(map(_is_contiguous, grads))
+    return tuple(map(_dtype, grads)), tuple(map(_stride, grads))
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -349,7 +367,34 @@ def _check(
                 raise ValueError(f"tensor {i}: factors must be contiguous float32 on {device}")
 
 
-def _build_group(members, p_dtype, g_dtype, params, moms, factors, steps, device) -> _Group:
+def _memory_order(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, fac: ParamFactors | None
+) -> str | None:
+    """How the kernel can walk the three tensors: ``"contiguous"``, ``"channels_last"``
+    (its own launch: the factor index is permuted), or ``None`` (reference path)."""
+    if p.is_contiguous() and g.is_contiguous() and m.is_contiguous():
+        return "contiguous"
+    cl = torch.channels_last
+    if not (
+        p.dim() == 4
+        and g.shape == p.shape
+        and p.is_contiguous(memory_format=cl)
+        and g.is_contiguous(memory_format=cl)
+        and m.is_contiguous(memory_format=cl)
+    ):
+        return None
+    if fac is None:  # F = 1: an element-wise update, in whatever order memory runs
+        return "contiguous"
+    lay, row = fac.layout, p.shape[1] * p.shape[2] * p.shape[3]
+    # the layout must be a conv weight's: g over output channels, a over the (C_in, kh, kw) row
+    if lay.g_div == row and lay.a_div == 1 and lay.a_mod == row:
+        return "channels_last"
+    return None
+
+
+def _build_group(
+    members, p_dtype, g_dtype, channels_last, params, moms, factors, steps, device
+) -> _Group:
     """The tensor and chunk tables of one launch, copied to ``device``."""
     rows, chunks = [], []
     for t, i in enumerate(members):
@@ -362,8 +407,9 @@ def _build_group(members, p_dtype, g_dtype, params, moms, factors, steps, device
             a_off = fac.layout.a_off * fac.a.element_size()
             pointers = [fac.g.data_ptr(), fac.a.data_ptr() + a_off]
             layout, has_factors = _layout_row(fac, numel, i), 1
+        inner, outer = (p.shape[1], p.shape[2] * p.shape[3]) if channels_last else (1, 1)
         rows.append([p.data_ptr(), m.data_ptr(), steps[i].data_ptr(), *pointers, numel, *layout])
-        rows[-1].append(has_factors)
+        rows[-1] += [has_factors, inner, outer]
         chunks.append(_chunk_rows(t, numel, layout))
     chunk_table = torch.cat(chunks)
     return _Group(
@@ -371,6 +417,7 @@ def _build_group(members, p_dtype, g_dtype, params, moms, factors, steps, device
         numels=[row[5] for row in rows],
         param_dtype=_TL_DTYPES[p_dtype],
         grad_dtype=_TL_DTYPES[g_dtype],
+        channels_last=channels_last,
         tensor_table=_to_device(torch.tensor(rows, dtype=torch.int64), device),
         chunk_table=_to_device(chunk_table, device),
         n_chunks=chunk_table.shape[0],
@@ -379,21 +426,23 @@ def _build_group(members, p_dtype, g_dtype, params, moms, factors, steps, device
 
 
 def _build_plan(params, grads, moms, factors, steps, grad_signature) -> _Plan:
-    """Validates the tensors and groups them by dtypes (non-contiguous ones aside)."""
+    """Validates the tensors and groups them by dtypes and memory order (tensors in
+    other layouts aside)."""
     device = params[0].device
-    by_dtype: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    by_kind: dict[tuple[torch.dtype, torch.dtype, bool], list[int]] = {}
     fallback = []
     for i, (p, g, m, fac, step) in enumerate(zip(params, grads, moms, factors, steps, strict=True)):
         _check(i, p, m, fac, step, device)
         if g.dtype not in _TL_DTYPES:
             raise TypeError(f"tensor {i}: unsupported gradient dtype {g.dtype}")
-        if not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous()):
+        order = _memory_order(p, g, m, fac)
+        if order is None:
             fallback.append(i)
         elif p.numel():
-            by_dtype.setdefault((p.dtype, g.dtype), []).append(i)
+            by_kind.setdefault((p.dtype, g.dtype, order == "channels_last"), []).append(i)
     groups = [
-        _build_group(members, p_dtype, g_dtype, params, moms, factors, steps, device)
-        for (p_dtype, g_dtype), members in by_dtype.items()
+        _build_group(members, p_dtype, g_dtype, cl, params, moms, factors, steps, device)
+        for (p_dtype, g_dtype, cl), members in by_kind.items()
     ]
     _STATS["plans"] += 1
     keep_alive = [f for f in factors if f is not None]
@@ -434,7 +483,7 @@ def _get_plan(params, grads, moms, factors, steps) -> _Plan:
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Triton launches on the current CUDA device: make it the params' one."""
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 
@@ -449,6 +498,52 @@ def clear_cache() -> None:
     _PLANS.clear()
     for k in _STATS:
         _STATS[k] = 0
+
+
+def _launch(
+    plan: _Plan, params, grads, moms, factors, steps, lr, beta, weight_decay, damping, decoupled
+) -> None:
+    """Runs one step with ``plan``'s tables (and the reference path for its fallback)."""
+    lr_is_tensor = isinstance(lr, torch.Tensor)
+    if lr_is_tensor and lr.device != plan.device:
+        raise ValueError(f"a tensor lr must be on the params' device ({plan.device})")
+    decay = bool(weight_decay)
+    with _on_device(plan.device):
+        for group in plan.groups:
+            _adafisher_kernel[(group.n_chunks,)](
+                group.tensor_table,
+                group.grad_table,
+                group.chunk_table,
+                0.0 if lr_is_tensor else float(lr),
+                lr if lr_is_tensor else None,
+                float(beta),
+                1.0 - beta,
+                float(weight_decay),
+                float(damping),
+                PARAM_DTYPE=group.param_dtype,
+                GRAD_DTYPE=group.grad_dtype,
+                LR_IS_TENSOR=lr_is_tensor,
+                L2_DECAY=decay and not decoupled,
+                DECOUPLED_DECAY=decay and decoupled,
+                ALIGNED=group.aligned and group.grads_aligned,
+                CHANNELS_LAST=group.channels_last,
+                BLOCK=BLOCK,
+                num_warps=NUM_WARPS,
+            )
+    if plan.fallback:
+        pick = plan.fallback
+        _reference_adafisher(
+            [params[i] for i in pick],
+            [grads[i] for i in pick],
+            [moms[i] for i in pick],
+            [factors[i] for i in pick],
+            [steps[i] for i in pick],
+            lr=lr,
+            beta=beta,
+            weight_decay=weight_decay,
+            damping=damping,
+            decoupled=decoupled,
+        )
 
 
 def fused_adafisher(
@@ -467,10 +562,10 @@ def fused_adafisher(
     """Applies one AdaFisher step in place with one kernel launch per dtype group.
 
     Arguments and result are those of :func:`hf_triaccel.optim.functional.adafisher`
-    (which validates the hyper-parameters): contiguous tensors are updated by the fused
-    kernel, any others by the reference implementation. The first call for a set of
-    tensors builds and caches the device tables; later calls only launch, so a call
-    after that first one can be captured in a CUDA graph.
+    (which validates the hyper-parameters): contiguous and channels-last tensors are
+    updated by the fused kernel, any others by the reference implementation. The first
+    call for a set of tensors builds and caches the device tables; later calls only
+    launch, so a call after that first one can be captured in a CUDA graph.
 
     Args:
         params: parameters on one device (float32, bfloat16, float16 or float64).
@@ -492,44 +587,71 @@ def fused_adafisher(
     if not params:
         return
     plan = _get_plan(params, grads, moms, factors, steps)
-    lr_is_tensor = isinstance(lr, torch.Tensor)
-    if lr_is_tensor and lr.device != plan.device:
-        raise ValueError(f"a tensor lr must be on the params' device ({plan.device})")
-    launch = dict(
-        lr=0.0 if lr_is_tensor else float(lr),
-        lr_ptr=lr if lr_is_tensor else None,
-        beta=float(beta),
-        one_minus_beta=1.0 - beta,
-        weight_decay=float(weight_decay),
-        damping=float(damping),
-        LR_IS_TENSOR=lr_is_tensor,
-        L2_DECAY=bool(weight_decay) and not decoupled,
-        DECOUPLED_DECAY=bool(weight_decay) and decoupled,
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
-    )
-    with _on_device(plan.device):
-        for group in plan.groups:
-            _adafisher_kernel[(group.n_chunks,)](
-                group.tensor_table,
-                group.grad_table,
-                group.chunk_table,
-                PARAM_DTYPE=group.param_dtype,
-                GRAD_DTYPE=group.grad_dtype,
-                ALIGNED=group.aligned and group.grads_aligned,
-                **launch,
-            )
-    if plan.fallback:
-        pick = plan.fallback
-        _reference_adafisher(
-            [params[i] for i in pick],
-            [grads[i] for i in pick],
-            [moms[i] for i in pick],
-            [factors[i] for i in pick],
-            [steps[i] for i in pick],
-            lr=lr,
-            beta=beta,
-            weight_decay=weight_decay,
-            damping=damping,
-            decoupled=decoupled,
-        )
+    _launch(plan, params, grads, moms, factors, steps, lr, beta, weight_decay, damping, decoupled)
+
+
+class FusedAdaFisher:
+    """:func:`fused_adafisher` bound to one fixed set of tensors.
+
+    For a caller that steps the same tensors every time and owns them (the optimizer):
+    where :func:`fused_adafisher` keys its cached tables on every pointer they encode,
+    a call here checks only what can change behind the caller's back, the addresses of
+    the parameters (a model moved or cast) and of the gradients (new gradient tensors
+    after ``zero_grad(set_to_none=True)``). The caller builds a new one when it
+    reallocates momenta or steps, or when factor vectors move.
+
+    Args:
+        params: parameters on one device.
+        moms: their float32 momentum buffers.
+        factors: per parameter, its :class:`ParamFactors` or ``None`` (F = 1).
+        steps: per parameter, a one-element float32 step tensor.
+
+    Example:
+        >>> p, m = torch.ones(3), torch.zeros(3)
+        >>> update = FusedAdaFisher([p], [m], [None], [torch.ones(())])
+        >>> update([torch.full((3,), 0.5)], lr=0.1, beta=0.9, weight_decay=0.0,
+        ...        damping=1e-3, decoupled=False)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        moms: list[torch.Tensor],
+        factors: list[ParamFactors | None],
+        steps: list[torch.Tensor],
+    ) -> None:
+        if not (len(params) == len(moms) == len(factors) == len(steps)) or not params:
+            raise ValueError("params, moms, factors and steps must be non-empty and match")
+        self.params = list(params)
+        self.moms = list(moms)
+        self.factors = list(factors)
+        self.steps = list(steps)
+        self._plan: _Plan | None = None
+        self._param_ptrs: tuple[int, ...] | None = None
+
+    def __call__(
+        self,
+        grads: list[torch.Tensor],
+        *,
+        lr: float | torch.Tensor,
+        beta: float,
+        weight_decay: float,
+        damping: float,
+        decoupled: bool,
+    ) -> None:
+        """One step with these gradients (one per parameter, same order); the other
+        arguments as for :func:`fused_adafisher`."""
+        if len(grads) != len(self.params):
+            raise ValueError(f"expected {len(self.params)} gradients, got {len(grads)}")
+        param_ptrs = tuple(map(_data_ptr, self.params))
+        grad_ptrs = tuple(map(_data_ptr, grads))
+        plan = self._plan
+        moved = plan is None or param_ptrs != self._param_ptrs
+        if moved or (grad_ptrs != plan.grad_ptrs and _grad_signature(grads) != plan.grad_signature):
+            args = (self.params, grads, self.moms, self.factors, self.steps)
+            plan = self._plan = _build_plan(*args, _grad_signature(grads))
+            self._param_ptrs = param_ptrs
+        if grad_ptrs != plan.grad_ptrs:
+            _load_grads(plan, grads, grad_ptrs)
+        tensors = (self.params, grads, self.moms, self.factors, self.steps)
+        _launch(plan, *tensors, lr, beta, weight_decay, damping, decoupled)

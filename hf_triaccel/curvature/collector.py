@@ -5,13 +5,28 @@ their statistics with removable hooks while :attr:`FisherCollector.collecting` i
 accumulates them over micro-batches, and folds them into the running factors once
 per optimizer step (:meth:`FisherCollector.fold`). *When* to collect is the
 optimizer's decision. Factors are saved by layer name.
+
+A refresh step runs the hooks of every layer, so they are kept to the device work
+itself: each writes its statistic straight into a preallocated buffer of the layer
+through the rule's fast path (:meth:`FisherRule.a_write` / :meth:`FisherRule.g_add`:
+one or two kernel launches and, for some layers, one more operation), with no
+allocation, host synchronisation or per-call shape arithmetic once a layer has seen
+its input shape. The activation statistic of a forward waits in a *slot* until the
+gradient of that forward's output arrives (a forward that no backward follows must
+leave no trace); the first slot is the layer's ``a_sum`` itself, so with one
+micro-batch per optimizer step nothing is copied. Whatever is linear in the
+micro-batches and the same for all of them (merging the slots of several micro-batches,
+the constant entries of ``a``, the average over micro-batches, the loss scale) is left
+to :meth:`FisherCollector.fold`, once per refresh, in batched operations over all layers.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,11 +34,25 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hf_triaccel.curvature.fold import fold_factors
-from hf_triaccel.curvature.rules import FactorLayout, FisherRule, rule_for
+from hf_triaccel.curvature.rules import FactorLayout, FisherRule, rule_for, statistic_writers
 
 # model -> its collector; weak, and outside the model so that copies of the model
 # (EMA or teacher copies) do not carry it
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, FisherCollector] = weakref.WeakKeyDictionary()
+
+
+class _Pending:
+    """One forward's activation statistic, from the forward until its gradient arrives.
+
+    The layer keeps only a weak reference: once the autograd graph that would have
+    delivered the gradient is gone, so is this record, and its slot is free again.
+    """
+
+    __slots__ = ("slot", "last", "__weakref__")
+
+    def __init__(self, slot: int, last: float | None) -> None:
+        self.slot = slot
+        self.last = last  # the value of a's last entry, left to the fold (None: none)
 
 
 @dataclass
@@ -32,10 +61,12 @@ class LayerFactors:
 
     ``a`` and ``g`` are what the preconditioner reads; ``a_ema`` / ``g_ema`` the
     running averages (the same tensors in ``ema="reference"`` mode). ``a_sum`` /
-    ``g_sum`` accumulate the statistics of the current optimizer step over its
-    micro-batches; ``a_count`` / ``g_count`` count them. ``output_module`` is where
-    the output gradient is taken (the module itself, or a submodule before a fused
-    activation); ``pending_a`` holds activation statistics waiting for their gradient.
+    ``g_sum`` are where the statistics of the current optimizer step are gathered over
+    its micro-batches; complete only inside :meth:`FisherCollector.fold` (read
+    :meth:`accumulated` in between). ``a_count`` / ``g_count`` count the micro-batches.
+    ``output_module`` is where the output gradient is taken (the module itself, or a
+    submodule before a fused activation); ``pending_a`` holds the records of forwards
+    whose output hook has not run yet.
     """
 
     name: str
@@ -51,8 +82,20 @@ class LayerFactors:
     output_module: nn.Module | None = None
     a_count: int = 0
     g_count: int = 0
-    pending_a: list[torch.Tensor] = field(default_factory=list)
+    pending_a: list[_Pending] = field(default_factory=list)
     handles: list[RemovableHandle] = field(default_factory=list)
+    # Activation statistics of forwards: slot 0 is a_sum itself, more are allocated when
+    # several forwards await their gradient, or several micro-batches are gathered.
+    slots: list[torch.Tensor] = field(default_factory=list)
+    owners: list[weakref.ref | None] = field(default_factory=list)
+    confirmed: list[int] = field(default_factory=list)  # slots whose gradient arrived
+    last_sum: float = 0.0  # sum over confirmed micro-batches of a's last entry
+    has_last: bool = False  # the rule leaves a's last entry to the fold
+    last_written: float | None = None  # the value a_sum's last entry holds now
+    anchor: str = ""  # an owned parameter's name: where it is, the factors must be
+    cache: dict[Any, Any] = field(default_factory=dict)  # the rule's per-shape state
+    a_write: Callable[..., float | None] | None = None  # see statistic_writers
+    g_add: Callable[..., None] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -60,6 +103,44 @@ class LayerFactors:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.a_ema, self.g_ema, self.a, self.g, self.a_sum, self.g_sum]
+
+    def free_slot(self) -> int:
+        """A slot that no confirmed statistic and no live forward holds."""
+        for i, owner in enumerate(self.owners):
+            if (owner is None or owner() is None) and i not in self.confirmed:
+                return i
+        self.slots.append(torch.zeros_like(self.a_sum))
+        self.owners.append(None)
+        return len(self.slots) - 1
+
+    def confirm(self, pending: _Pending) -> None:
+        """Counts a forward whose output gradient arrived."""
+        self.confirmed.append(pending.slot)
+        if pending.last is not None:
+            self.last_sum += pending.last
+            self.has_last = True
+        self.a_count += 1
+
+    def accumulated(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sums over the micro-batches since the last fold of the ``a`` and ``g``
+        statistics (new tensors; zeros before any). For inspection: the fold does not
+        need them materialised."""
+        a = torch.zeros_like(self.a_sum)
+        for i in self.confirmed:
+            a += self.slots[i]
+        if self.has_last:
+            a[-1] = self.last_sum
+        g = self.g_sum.clone() if self.g_count else torch.zeros_like(self.g_sum)
+        return a, g
+
+    def reset(self) -> None:
+        """Forgets the statistics gathered since the last fold (slots of forwards still
+        waiting for their gradient stay reserved)."""
+        self.a_count = self.g_count = 0
+        self.confirmed.clear()
+        self.last_sum = 0.0
+        self.has_last = False
+        self.pending_a.clear()
 
 
 @dataclass(frozen=True)
@@ -82,6 +163,10 @@ class FisherCollector:
         ema: ``"reference"`` or ``"paper"`` (see :mod:`hf_triaccel.curvature.fold`).
         impl: implementation of the statistics (see :mod:`hf_triaccel.dispatch`).
         exclude: module names (as in ``named_modules()``) that get no factors.
+
+    Attributes:
+        generation: incremented whenever factor tensors are reallocated (the model
+            moved to another device), for whoever caches their addresses.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
@@ -115,8 +200,11 @@ class FisherCollector:
         self.impl = impl
         self.collecting = True
         self.grad_scaler: torch.amp.GradScaler | None = None
+        self.generation = 0
         self.layers: dict[str, LayerFactors] = {}
         self._by_param: dict[nn.Parameter, ParamFactors] = {}
+        # fold_factors' argument lists for a fold of every layer, and the generation they hold
+        self._fold_lists: tuple[int, list[list[list[torch.Tensor]]]] | None = None
         unknown = set(exclude) - {n for n, _ in model.named_modules()}
         if unknown:
             raise ValueError(f"exclude names modules the model does not have: {sorted(unknown)}")
@@ -137,7 +225,8 @@ class FisherCollector:
         }
         if not owned:
             return
-        device = next(iter(owned.values())).device
+        anchor = next(iter(owned))
+        device = owned[anchor].device
         a_len, g_len = rule.sizes(module)
         paper = self.ema == "paper"
         # Factors start at ones. In paper mode only the normalised EMA is ever read,
@@ -147,6 +236,8 @@ class FisherCollector:
         seed = torch.zeros if paper else torch.ones
         a_ema = seed(a_len, device=device)
         g_ema = seed(g_len, device=device)
+        a_sum = torch.zeros(a_len, device=device)
+        a_write, g_add = statistic_writers(rule)
         layer = LayerFactors(
             name=name,
             module=module,
@@ -156,9 +247,14 @@ class FisherCollector:
             g_ema=g_ema,
             a=torch.ones_like(a_ema) if paper else a_ema,
             g=torch.ones_like(g_ema) if paper else g_ema,
-            a_sum=torch.zeros(a_len, device=device),
+            a_sum=a_sum,
             g_sum=torch.zeros(g_len, device=device),
             output_module=rule.output_module(module),
+            slots=[a_sum],
+            owners=[None],
+            anchor=anchor,
+            a_write=a_write,
+            g_add=g_add,
         )
         layer.handles.append(
             module.register_forward_pre_hook(self._pre_hook(layer), with_kwargs=True)
@@ -173,6 +269,14 @@ class FisherCollector:
         """Whether the hooks are still registered."""
         return any(layer.handles for layer in self.layers.values())
 
+    def _move(self, layer: LayerFactors, device: torch.device) -> None:
+        """Moves a layer's tensors to where its module now is."""
+        for t in layer.tensors() + layer.slots[1:]:
+            t.data = t.data.to(device)
+        # cached views and scratch buffers belong to the old storage
+        layer.cache.clear()
+        self.generation += 1
+
     def _pre_hook(self, layer: LayerFactors):
         """Takes the activation statistic from the module input, before its forward."""
 
@@ -181,33 +285,37 @@ class FisherCollector:
             if not self.collecting or module is not layer.module or not torch.is_grad_enabled():
                 return
             x = args[0] if args else next(iter(kwargs.values()))
-            if layer.a_sum.device != layer.device:  # the model moved since the last call
-                for t in layer.tensors():
-                    t.data = t.data.to(layer.device)
-            with torch.no_grad():
-                layer.pending_a.append(layer.rule.a_stat(module, x.detach(), self.impl))
+            device = getattr(module, layer.anchor).device
+            if layer.a_sum.device != device:  # the model moved since the last call
+                self._move(layer, device)
+            slot = layer.free_slot()
+            last = layer.a_write(module, x.detach(), layer.slots[slot], self.impl, layer.cache)
+            pending = _Pending(slot, last)
+            layer.owners[slot] = weakref.ref(pending)
+            layer.pending_a.append(pending)
 
         return hook
 
     def _output_hook(self, layer: LayerFactors):
         """Pairs the pending activation statistic with the gradient of the output.
 
-        The statistic is added only when the gradient arrives, so a forward that no
+        The statistic counts only when the gradient arrives, so a forward that no
         backward follows (an evaluation pass with autograd on) leaves no trace.
         """
 
         def hook(module, args, output):
             if module is not layer.output_module or not layer.pending_a:
                 return
-            a = layer.pending_a.pop()
+            pending = layer.pending_a.pop()
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
 
             def grad_hook(grad: torch.Tensor) -> None:
-                with torch.no_grad():
-                    layer.a_sum.add_(a)
-                    layer.g_sum.add_(layer.rule.g_stat(layer.module, grad, self.impl))
-                layer.a_count += 1
+                layer.confirm(pending)
+                if grad.requires_grad:  # a backward that builds a graph (create_graph)
+                    grad = grad.detach()
+                accumulate = layer.g_count > 0
+                layer.g_add(layer.module, grad, layer.g_sum, accumulate, self.impl, layer.cache)
                 layer.g_count += 1
 
             output.register_hook(grad_hook)
@@ -237,12 +345,78 @@ class FisherCollector:
         if ready:
             self._fold_ready(ready, gamma)
         for ly in self.layers.values():
-            ly.a_sum.zero_()
-            ly.g_sum.zero_()
-            ly.a_count = ly.g_count = 0
-            ly.pending_a.clear()
+            ly.reset()
 
     def _fold_ready(self, ready: list[LayerFactors], gamma: float) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        distributed = distributed and dist.get_world_size() > 1
+        self._merge_slots(ready)
+        self._write_last_entries(ready, force=distributed)
+        g_scale: torch.Tensor | float = 1.0
+        if distributed:
+            g_scale = self._average_over_processes(ready)
+        else:
+            # averages over micro-batches: nothing to do for the usual single one
+            several = [ly for ly in ready if ly.a_count > 1 or ly.g_count > 1]
+            if several:
+                torch._foreach_div_(
+                    [t for ly in several for t in (ly.a_sum, ly.g_sum)],
+                    [float(c) for ly in several for c in (ly.a_count, ly.g_count)],
+                )
+                for ly in several:
+                    ly.last_written = None
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
+            g_scale = g_scale * scaler._scale.double().square().float()
+        if not isinstance(g_scale, float) or g_scale != 1.0:
+            torch._foreach_div_([ly.g_sum for ly in ready], g_scale)
+        for emas, news, useds in self._fold_groups(ready):
+            fold_factors(emas, news, useds, self.ema, gamma, self.impl)
+
+    @staticmethod
+    def _merge_slots(ready: list[LayerFactors]) -> None:
+        """Gathers each layer's confirmed statistics into slot 0 (``a_sum``): in place
+        when the first micro-batch used it, by a copy otherwise, then one batched
+        addition per further micro-batch."""
+        copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        adds: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        for ly in ready:
+            order = list(ly.confirmed)
+            if order == [0]:
+                continue
+            if 0 in order:
+                order.remove(0)
+            else:
+                first = order.pop(0)
+                copies[0].append(ly.a_sum)
+                copies[1].append(ly.slots[first])
+                ly.last_written = None  # the copy overwrote the last entry too
+            for k, slot in enumerate(order):
+                if k == len(adds):
+                    adds.append(([], []))
+                adds[k][0].append(ly.a_sum)
+                adds[k][1].append(ly.slots[slot])
+        if copies[0]:
+            torch._foreach_copy_(*copies)
+        for dst, src in adds:
+            torch._foreach_add_(dst, src)
+
+    @staticmethod
+    def _write_last_entries(ready: list[LayerFactors], force: bool) -> None:
+        """Sets the last entry of ``a_sum`` where the rule left it to the fold (the bias
+        column, a norm layer's size entry), unless it already holds that value."""
+        stale = [ly for ly in ready if ly.has_last and (force or ly.last_written != ly.last_sum)]
+        if not stale:
+            return
+        ends = [ly.a_sum[-1:] for ly in stale]
+        torch._foreach_zero_(ends)
+        torch._foreach_add_(ends, [ly.last_sum for ly in stale])
+        for ly in stale:
+            # an all-reduce or an average will change it again
+            ly.last_written = None if force or ly.a_count > 1 else ly.last_sum
+
+    def _average_over_processes(self, ready: list[LayerFactors]) -> float:
+        """Sums the statistics and counts over processes and divides by the counts."""
         device = ready[0].a_sum.device
         counts = torch.tensor(
             [c for ly in ready for c in (ly.a_count, ly.g_count)], dtype=torch.float32
@@ -252,30 +426,31 @@ class FisherCollector:
         counts = counts.to(device, non_blocking=True)
         sums = [t for ly in ready for t in (ly.a_sum, ly.g_sum)]
         g_scale = self._all_reduce(sums + [counts])
-        scaler = self.grad_scaler
-        if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
-            g_scale = g_scale * scaler._scale.double().square().float()
         torch._foreach_div_(sums, list(counts.unbind()))
-        torch._foreach_div_([ly.g_sum for ly in ready], g_scale)
-        by_device: dict[torch.device, list[LayerFactors]] = {}
+        return g_scale
+
+    def _fold_groups(self, ready: list[LayerFactors]) -> list[list[list[torch.Tensor]]]:
+        """(emas, news, useds) per device for :func:`fold_factors`; cached while every
+        layer is ready (the usual case) and no tensor moved."""
+        cached = self._fold_lists
+        every = len(ready) == len(self.layers)
+        if every and cached is not None and cached[0] == self.generation:
+            return cached[1]
+        by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
         for ly in ready:
-            by_device.setdefault(ly.a_ema.device, []).append(ly)
-        for group in by_device.values():
-            fold_factors(
-                [t for ly in group for t in (ly.a_ema, ly.g_ema)],
-                [t for ly in group for t in (ly.a_sum, ly.g_sum)],
-                [t for ly in group for t in (ly.a, ly.g)],
-                self.ema,
-                gamma,
-                self.impl,
-            )
+            emas, news, useds = by_device.setdefault(ly.a_ema.device, [[], [], []])
+            emas += (ly.a_ema, ly.g_ema)
+            news += (ly.a_sum, ly.g_sum)
+            useds += (ly.a, ly.g)
+        groups = list(by_device.values())
+        if every:
+            self._fold_lists = (self.generation, groups)
+        return groups
 
     @staticmethod
-    def _all_reduce(tensors: list[torch.Tensor]) -> torch.Tensor | float:
+    def _all_reduce(tensors: list[torch.Tensor]) -> float:
         """Sums ``tensors`` over processes in one bucketed call; returns the factor
         that gradient statistics must be divided by (``world_size**2``)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return 1.0
         flat = torch.cat([t.reshape(-1) for t in tensors])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         torch._foreach_copy_(tensors, list(flat.split([t.numel() for t in tensors])))

@@ -4,29 +4,126 @@ Each function takes activations or output gradients in any float dtype and retur
 float32 sums. The reference versions here are plain PyTorch; the Triton versions
 (``hf_triaccel.kernels.stats``) read the native dtype once and accumulate in float32.
 Both are selected through :func:`hf_triaccel.dispatch.resolve_impl`.
+
+Both take the same epilogue: the sums may be squared (``square_result``), scaled
+(``scale``) and written into, or added to (``accumulate``), a caller's float32 buffer
+(``out``). The Triton versions do this inside the kernel, so that a statistic hook
+accumulating into a preallocated buffer costs one or two launches and nothing else.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from hf_triaccel.dispatch import resolve_impl
 
+Reduction = Callable[..., torch.Tensor]
 
-def sum_rows_reference(x: torch.Tensor, square: bool) -> torch.Tensor:
-    """Sum over rows of a 2-D tensor (x^2 if ``square``): (N, D) -> (D,) float32."""
+
+def _epilogue(
+    sums: torch.Tensor,
+    out: torch.Tensor | None,
+    scale: float,
+    accumulate: bool,
+    square_result: bool,
+) -> torch.Tensor:
+    """Applies the shared epilogue to freshly computed float32 ``sums``."""
+    if square_result:
+        sums = sums * sums
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs an out tensor to add to")
+        return sums if scale == 1.0 else sums.mul_(scale)
+    if out.dtype != torch.float32 or out.shape != sums.shape or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float32 tensor of shape {tuple(sums.shape)}, got "
+            f"{out.dtype} of shape {tuple(out.shape)}"
+        )
+    if accumulate:
+        return out.add_(sums, alpha=scale)
+    return torch.mul(sums, scale, out=out)
+
+
+def sum_rows_reference(
+    x: torch.Tensor,
+    square: bool,
+    *,
+    out: torch.Tensor | None = None,
+    scale: float = 1.0,
+    accumulate: bool = False,
+    square_result: bool = False,
+) -> torch.Tensor:
+    """Sum over rows of a 2-D tensor (x^2 if ``square``): (N, D) -> (D,) float32.
+
+    The keyword arguments are those of :func:`sum_rows`.
+    """
     x = x.float()
-    return (x * x).sum(0) if square else x.sum(0)
+    sums = (x * x).sum(0) if square else x.sum(0)
+    return _epilogue(sums, out, scale, accumulate, square_result)
 
 
-def channel_sum_reference(x: torch.Tensor, square: bool) -> torch.Tensor:
-    """Sum over dims 0 and 2 of a 3-D tensor (x^2 if ``square``): (B, C, L) -> (C,) float32."""
+def channel_sum_reference(
+    x: torch.Tensor,
+    square: bool,
+    *,
+    out: torch.Tensor | None = None,
+    scale: float = 1.0,
+    accumulate: bool = False,
+    square_result: bool = False,
+) -> torch.Tensor:
+    """Sum over dims 0 and 2 of a 3-D tensor (x^2 if ``square``): (B, C, L) -> (C,) float32.
+
+    The keyword arguments are those of :func:`sum_rows`.
+    """
     x = x.float()
-    return (x * x).sum((0, 2)) if square else x.sum((0, 2))
+    sums = (x * x).sum((0, 2)) if square else x.sum((0, 2))
+    return _epilogue(sums, out, scale, accumulate, square_result)
 
 
-def sum_rows(x: torch.Tensor, square: bool, impl: str | None = None) -> torch.Tensor:
+def reductions_for(impl: str | None, device: torch.device) -> tuple[Reduction, Reduction]:
+    """The ``(sum_rows, channel_sum)`` implementations :func:`sum_rows` and
+    :func:`channel_sum` would run on ``device``, for callers that resolve once and call
+    many times (the statistics hooks). They take the arguments of those two functions
+    but ``impl``, and check less: inputs must already be 2-D / 3-D.
+
+    Example:
+        >>> rows, _ = reductions_for("reference", torch.device("cpu"))
+        >>> rows(torch.ones(4, 3), True, scale=0.25)
+        tensor([1., 1., 1.])
+    """
+    if resolve_impl(impl, device) == "triton":
+        from hf_triaccel.kernels.stats import channel_sum_triton, sum_rows_triton
+
+        return sum_rows_triton, channel_sum_triton
+    return sum_rows_reference, channel_sum_reference
+
+
+def sum_rows(
+    x: torch.Tensor,
+    square: bool,
+    impl: str | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    scale: float = 1.0,
+    accumulate: bool = False,
+    square_result: bool = False,
+) -> torch.Tensor:
     """Column sums of ``x`` (N, D), of its squares when ``square``, in float32.
+
+    Args:
+        x: (N, D) input in any float dtype.
+        square: sum ``x * x`` instead of ``x``.
+        impl: implementation (see :mod:`hf_triaccel.dispatch`).
+        out: contiguous float32 (D,) destination; a new tensor when ``None``.
+        scale: factor applied to the (squared) sums.
+        accumulate: add into ``out`` instead of overwriting it.
+        square_result: square the sums before scaling.
+
+    Returns:
+        ``out`` or the new tensor: ``scale * sums`` (``scale * sums**2`` with
+        ``square_result``), plus the previous ``out`` when ``accumulate``.
 
     Example:
         >>> sum_rows(torch.ones(4, 3), square=True, impl="reference")
@@ -34,15 +131,23 @@ def sum_rows(x: torch.Tensor, square: bool, impl: str | None = None) -> torch.Te
     """
     if x.dim() != 2:
         raise ValueError(f"sum_rows expects a 2-D tensor, got shape {tuple(x.shape)}")
-    if resolve_impl(impl, x.device) == "triton":
-        from hf_triaccel.kernels.stats import sum_rows_triton
-
-        return sum_rows_triton(x, square)
-    return sum_rows_reference(x, square)
+    rows, _ = reductions_for(impl, x.device)
+    return rows(x, square, out=out, scale=scale, accumulate=accumulate, square_result=square_result)
 
 
-def channel_sum(x: torch.Tensor, square: bool, impl: str | None = None) -> torch.Tensor:
+def channel_sum(
+    x: torch.Tensor,
+    square: bool,
+    impl: str | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    scale: float = 1.0,
+    accumulate: bool = False,
+    square_result: bool = False,
+) -> torch.Tensor:
     """Per-channel sums of ``x`` (B, C, L) over batch and positions, in float32.
+
+    The keyword arguments are those of :func:`sum_rows`, with ``out`` of shape (C,).
 
     Example:
         >>> channel_sum(torch.ones(2, 3, 5), square=False, impl="reference")
@@ -50,8 +155,7 @@ def channel_sum(x: torch.Tensor, square: bool, impl: str | None = None) -> torch
     """
     if x.dim() != 3:
         raise ValueError(f"channel_sum expects a 3-D tensor, got shape {tuple(x.shape)}")
-    if resolve_impl(impl, x.device) == "triton":
-        from hf_triaccel.kernels.stats import channel_sum_triton
-
-        return channel_sum_triton(x, square)
-    return channel_sum_reference(x, square)
+    _, channels = reductions_for(impl, x.device)
+    return channels(
+        x, square, out=out, scale=scale, accumulate=accumulate, square_result=square_result
+    )

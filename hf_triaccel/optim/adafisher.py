@@ -8,20 +8,58 @@ optimizer, owns the hooks.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from hf_triaccel.curvature.collector import FisherCollector
+from hf_triaccel.curvature.collector import FisherCollector, ParamFactors
 from hf_triaccel.curvature.fold import EMA_MODES
-from hf_triaccel.dispatch import validate_impl
-from hf_triaccel.optim.functional import _check_args, adafisher
+from hf_triaccel.dispatch import resolve_impl, validate_impl
+from hf_triaccel.optim.functional import _check_args, prepare_adafisher
 
 _FISHER_KEY = "fisher"
+_grad_of = operator.attrgetter("grad")
+_NONES = itertools.repeat(None)
+
+
+@dataclass
+class _DevicePart:
+    """The parameters of one param group on one device that have gradients."""
+
+    device: torch.device
+    positions: list[int] | None  # their positions in the group; None: every parameter
+    params: list[torch.Tensor]
+    moms: list[torch.Tensor]
+    factors: list[ParamFactors | None]
+    # One buffer of step counts, so that counting a step is one operation; each
+    # parameter's state["step"] is a view of its entry, as torch optimizers keep it.
+    counts: torch.Tensor
+    steps: list[torch.Tensor]
+    impl: str
+    update: Callable[..., None]
+
+
+@dataclass
+class _GroupPlan:
+    """What :meth:`AdaFisher.step` reuses for a param group from step to step; valid
+    while the group, the optimizer's state mapping, the set of the group's parameters
+    with gradients and the collector's factor storage stay the same (a state entry
+    replaced in place, other than by :meth:`AdaFisher.load_state_dict`, is not seen)."""
+
+    group: dict[str, Any]
+    state: dict[Any, Any]  # the optimizer's state mapping the momenta were taken from
+    params: list[torch.Tensor]
+    n_params: int
+    has_grad: tuple[bool, ...]
+    generation: int
+    parts: list[_DevicePart]
 
 
 class AdaFisher(Optimizer):
@@ -96,6 +134,7 @@ class AdaFisher(Optimizer):
         self.ema = ema
         self.impl = impl
         self.fisher_steps = 0
+        self._plans: list[_GroupPlan | None] = []
         self._sync_collecting()
 
     @classmethod
@@ -138,43 +177,99 @@ class AdaFisher(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.collector is not None and self.collector.collecting:
-            self.collector.fold(self.gamma)
-        for group in self.param_groups:
-            by_device: dict[tuple[torch.device, torch.dtype], list[list]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
-                lists = by_device.setdefault((p.device, p.dtype), [[], [], [], [], []])
-                lists[0].append(p)
-                lists[1].append(p.grad)
-                lists[2].append(state["momentum"])
-                lists[3].append(None if self.collector is None else self.collector.factors_for(p))
-                lists[4].append(state["step"])
-            for params, grads, moms, factors, steps in by_device.values():
-                torch._foreach_add_(steps, 1.0)
-                adafisher(
-                    params,
-                    grads,
-                    moms,
-                    factors,
-                    steps,
-                    lr=group["lr"],
-                    beta=group["beta"],
-                    weight_decay=group["weight_decay"],
-                    damping=group["damping"],
+        collector = self.collector
+        if collector is not None and collector.collecting:
+            collector.fold(self.gamma)
+        generation = 0 if collector is None else collector.generation
+        groups = self.param_groups
+        if len(self._plans) != len(groups):
+            self._plans = [None] * len(groups)
+        for i, group in enumerate(groups):
+            params = group["params"]
+            grads = list(map(_grad_of, params))
+            has_grad = tuple(map(operator.is_not, grads, _NONES))
+            plan = self._plans[i]
+            if (
+                plan is None
+                or plan.group is not group
+                or plan.state is not self.state
+                or plan.params is not params
+                or plan.n_params != len(params)
+                or plan.has_grad != has_grad
+                or plan.generation != generation
+            ):
+                plan = self._plans[i] = self._plan_group(group, grads, has_grad, generation)
+            lr, beta = group["lr"], group["beta"]
+            weight_decay, damping = group["weight_decay"], group["damping"]
+            _check_args(lr, beta, weight_decay, damping)
+            for part in plan.parts:
+                impl = resolve_impl(self.impl, part.device)
+                if impl != part.impl:
+                    part.update = prepare_adafisher(
+                        part.params, part.moms, part.factors, part.steps, impl=impl
+                    )
+                    part.impl = impl
+                part.counts.add_(1.0)
+                part.update(
+                    grads if part.positions is None else [grads[j] for j in part.positions],
+                    lr=lr,
+                    beta=beta,
+                    weight_decay=weight_decay,
+                    damping=damping,
                     decoupled=self.decoupled,
-                    impl=self.impl,
                 )
         self.fisher_steps += 1
         self._sync_collecting()
         return loss
+
+    def _plan_group(
+        self,
+        group: dict[str, Any],
+        grads: list[torch.Tensor | None],
+        has_grad: tuple[bool, ...],
+        generation: int,
+    ) -> _GroupPlan:
+        """Creates missing state and binds the update of a group's parameters with
+        gradients, one part per device (the update groups by dtype itself)."""
+        params = group["params"]
+        by_device: dict[torch.device, list[int]] = {}
+        for j, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
+            by_device.setdefault(p.device, []).append(j)
+        parts = []
+        for device, positions in by_device.items():
+            ps = [params[j] for j in positions]
+            states = [self.state[p] for p in ps]
+            counts = torch.stack([s["step"] for s in states]).to(device, torch.float32)
+            steps = list(counts.unbind())
+            for state, step in zip(states, steps, strict=True):
+                state["step"] = step
+            moms = [s["momentum"] for s in states]
+            factors = [
+                None if self.collector is None else self.collector.factors_for(p) for p in ps
+            ]
+            impl = resolve_impl(self.impl, device)
+            parts.append(
+                _DevicePart(
+                    device=device,
+                    positions=None if len(positions) == len(params) else positions,
+                    params=ps,
+                    moms=moms,
+                    factors=factors,
+                    counts=counts,
+                    steps=steps,
+                    impl=impl,
+                    update=prepare_adafisher(ps, moms, factors, steps, impl=impl),
+                )
+            )
+        return _GroupPlan(group, self.state, params, len(params), has_grad, generation, parts)
 
     def state_dict(self) -> dict[str, Any]:
         """The torch optimizer state plus the Fisher factors (by layer name) and the
@@ -201,6 +296,7 @@ class AdaFisher(Optimizer):
                     "step": saved["step"].to(device=p.device, dtype=torch.float32),
                     "momentum": saved["momentum"].to(device=p.device, dtype=torch.float32),
                 }
+        self._plans = []  # the momenta and steps were replaced
         if fisher is None:
             return
         self.fisher_steps = int(fisher["fisher_steps"])

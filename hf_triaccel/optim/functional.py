@@ -19,6 +19,8 @@ Arithmetic is float32 whatever the parameter dtype; ``m`` is float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hf_triaccel.curvature.collector import ParamFactors
@@ -146,3 +148,46 @@ def adafisher(
             _foreach_adafisher(params, grads, moms, factors, steps, **kwargs)
         else:
             _reference_adafisher(params, grads, moms, factors, steps, **kwargs)
+
+
+def prepare_adafisher(
+    params: list[torch.Tensor],
+    moms: list[torch.Tensor],
+    factors: list[ParamFactors | None],
+    steps: list[torch.Tensor],
+    *,
+    impl: str | None = None,
+) -> Callable[..., None]:
+    """:func:`adafisher` bound to one fixed set of tensors, for a caller that updates
+    the same tensors on every step (the optimizer).
+
+    The returned callable takes ``grads`` and the keyword hyper-parameters of
+    :func:`adafisher`. With the Triton implementation it is a
+    :class:`~hf_triaccel.kernels.update.FusedAdaFisher`, which checks only the
+    parameters' and gradients' addresses per call instead of recognising every tensor;
+    the caller prepares again when the momenta, steps or factor vectors change. The
+    implementation is resolved once, here; the hyper-parameters are not validated on
+    each call, which is left to the caller (``_check_args``).
+
+    Example:
+        >>> p = torch.ones(3); m = torch.zeros(3)
+        >>> update = prepare_adafisher([p], [m], [None], [torch.tensor(1.0)], impl="reference")
+        >>> update([torch.full((3,), 0.5)], lr=0.1, beta=0.9, weight_decay=0.0,
+        ...        damping=1e-3, decoupled=False)
+        >>> p
+        tensor([0.9500, 0.9500, 0.9500])
+    """
+    if not params:
+        raise ValueError("prepare_adafisher needs at least one parameter")
+    name = resolve_impl(impl, params[0].device)
+    if name == "triton":
+        from hf_triaccel.kernels.update import FusedAdaFisher
+
+        return FusedAdaFisher(params, moms, factors, steps)
+    run = _foreach_adafisher if name == "foreach" else _reference_adafisher
+
+    def update(grads: list[torch.Tensor], **hyperparameters) -> None:
+        with torch.no_grad():
+            run(params, grads, moms, factors, steps, **hyperparameters)
+
+    return update

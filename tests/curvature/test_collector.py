@@ -76,7 +76,7 @@ def test_statistics_only_while_collecting():
     forward_backward(model, torch.randn(4, 5))
     for layer in collector.layers.values():
         assert layer.a_count == layer.g_count == 0
-        assert not layer.a_sum.any() and not layer.g_sum.any()
+        assert not any(t.any() for t in layer.accumulated())
     collector.fold(GAMMA)  # nothing seen: factors keep their seed
     for layer in collector.layers.values():
         assert torch.equal(layer.a, torch.ones_like(layer.a))
@@ -98,7 +98,8 @@ def test_no_grad_and_inference_forward_do_not_accumulate():
         model(torch.randn(4, 5))
     for layer in collector.layers.values():
         assert layer.a_count == layer.g_count == 0
-        assert not layer.a_sum.any()
+        assert not layer.a_sum.any()  # not even written
+        assert not any(t.any() for t in layer.accumulated())
 
 
 def test_forward_without_backward_does_not_skew_the_next_fold():
@@ -132,8 +133,9 @@ def test_micro_batches_are_averaged_then_folded_once(ema):
     mean = {n: ((o1[n][0] + o2[n][0]) / 2, (o1[n][1] + o2[n][1]) / 2) for n in o1}
     for name, layer in collector.layers.items():
         assert layer.a_count == layer.g_count == 2
-        torch.testing.assert_close(layer.a_sum.double() / 2, mean[name][0])
-        torch.testing.assert_close(layer.g_sum.double() / 2, mean[name][1])
+        a_sum, g_sum = layer.accumulated()
+        torch.testing.assert_close(a_sum.double() / 2, mean[name][0])
+        torch.testing.assert_close(g_sum.double() / 2, mean[name][1])
     before = {n: (ly.a_ema.double(), ly.g_ema.double()) for n, ly in collector.layers.items()}
     collector.fold(GAMMA)
     for name, layer in collector.layers.items():
@@ -149,7 +151,7 @@ def test_micro_batches_are_averaged_then_folded_once(ema):
                 torch.testing.assert_close(ema_t.double(), expected)
                 torch.testing.assert_close(used, minmax_normalise(ema_t))
         assert layer.a_count == layer.g_count == 0
-        assert not layer.a_sum.any() and not layer.g_sum.any()
+        assert not any(t.any() for t in layer.accumulated())
     # a fold with nothing new keeps the factors (no second EMA step)
     after = {
         n: [t.clone() for t in (ly.a, ly.g, ly.a_ema, ly.g_ema)]
@@ -171,7 +173,114 @@ def test_a_module_called_twice_in_one_graph_counts_twice():
     layer = collector.layers[""]
     assert layer.a_count == layer.g_count == 2
     expected = (x.square().mean(0) + h.detach().square().mean(0)) / 2
-    torch.testing.assert_close(layer.a_sum[:4] / 2, expected)
+    torch.testing.assert_close(layer.accumulated()[0][:4] / 2, expected)
+    assert layer.accumulated()[0][4] == 2.0  # the bias column: one per micro-batch
+
+
+def test_a_held_evaluation_output_keeps_its_slot():
+    """A forward whose output is still alive may yet get its gradient: its statistic
+    keeps its slot, and the next forward's statistic goes to another one."""
+    model = mlp()
+    twin = copy.deepcopy(model)
+    collector = FisherCollector(model, impl="reference")
+    held = model(torch.randn(4, 5) * 10)
+    x, w = torch.randn(4, 5), torch.randn(4, 3)
+    forward_backward(model, x, w)
+    layer = collector.layers["0"]
+    assert len(layer.slots) == 2 and layer.confirmed == [1]
+    collector.fold(GAMMA)
+    plain = FisherCollector(twin, impl="reference")
+    forward_backward(twin, x, w)
+    plain.fold(GAMMA)
+    for name, ly in collector.layers.items():
+        torch.testing.assert_close(ly.a, plain.layers[name].a)
+        torch.testing.assert_close(ly.g, plain.layers[name].g)
+    del held  # its graph goes, and with it the hold on the slot
+    assert layer.free_slot() == 0
+
+
+def _single_statistics(model: nn.Module, batches) -> list[dict[str, tuple]]:
+    """Each micro-batch's (a, g) per layer, from a collector on a copy that sees only it."""
+    out = []
+    for x, w in batches:
+        twin = copy.deepcopy(model)
+        probe = FisherCollector(twin, impl="reference")
+        forward_backward(twin, x, w)
+        out.append({name: ly.accumulated() for name, ly in probe.layers.items()})
+        probe.remove()
+    return out
+
+
+def test_micro_batches_of_several_sizes_and_refreshes():
+    """Statistics of micro-batches of different sizes are averaged as statistics
+    (the constant entries included), refresh after refresh, whatever the last one was."""
+    torch.manual_seed(1)
+    model = ResidualNet(inplace=True)
+    template = copy.deepcopy(model)
+    collector = FisherCollector(model, ema="paper", impl="reference")
+
+    def batch(n):
+        return torch.randn(n, 3, 6, 6), torch.randn(n, 2)
+
+    for sizes in ((2, 3, 2), (4,), (4,), (2,), (3, 1)):
+        batches = [batch(n) for n in sizes]
+        singles = _single_statistics(template, batches)
+        for x, w in batches:
+            forward_backward(model, x, w)
+        before = {name: ly.g_ema.clone() for name, ly in collector.layers.items()}
+        collector.fold(GAMMA)
+        for name, ly in collector.layers.items():
+            mean_a = sum(s[name][0] for s in singles) / len(sizes)
+            mean_g = sum(s[name][1] for s in singles) / len(sizes)
+            torch.testing.assert_close(ly.a_sum, mean_a, msg=f"{name} after {sizes}")
+            torch.testing.assert_close(ly.g_sum, mean_g, msg=f"{name} after {sizes}")
+            torch.testing.assert_close(ly.g_ema, GAMMA * before[name] + (1 - GAMMA) * mean_g)
+        # the weights do not change here, but BatchNorm's running statistics do
+        template.load_state_dict(model.state_dict())
+
+
+def test_reset_forgets_the_gathered_statistics():
+    model = mlp()
+    twin = copy.deepcopy(model)
+    collector = FisherCollector(model, impl="reference")
+    forward_backward(model, torch.randn(4, 5) * 3)
+    for layer in collector.layers.values():
+        layer.reset()
+    x, w = torch.randn(4, 5), torch.randn(4, 3)
+    forward_backward(model, x, w)
+    plain = FisherCollector(twin, impl="reference")
+    forward_backward(twin, x, w)
+    for name, layer in collector.layers.items():
+        assert layer.a_count == layer.g_count == 1
+        for got, want in zip(layer.accumulated(), plain.layers[name].accumulated(), strict=True):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_triton_statistics_match_the_reference(channels_last):
+    """The collector's fast path with the Triton kernels (interpreted on the CPU)."""
+    pytest.importorskip("triton")
+    torch.manual_seed(2)
+    model = ResidualNet(inplace=True)
+    twin = copy.deepcopy(model)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    model, twin = (m.to(memory_format=memory_format) for m in (model, twin))
+    fast = FisherCollector(model, ema="paper", impl="triton")
+    plain = FisherCollector(twin, ema="paper", impl="reference")
+    for n in (3, 2):
+        x = torch.randn(n, 3, 6, 6).contiguous(memory_format=memory_format)
+        w = forward_backward(model, x)
+        forward_backward(twin, x, w)
+    for name, layer in fast.layers.items():
+        for got, want in zip(layer.accumulated(), plain.layers[name].accumulated(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+    fast.fold(GAMMA)
+    plain.fold(GAMMA)
+    for name, layer in fast.layers.items():
+        for attr in ("a", "g", "a_ema", "g_ema"):
+            torch.testing.assert_close(
+                getattr(layer, attr), getattr(plain.layers[name], attr), rtol=1e-5, atol=1e-7
+            )
 
 
 # --------------------------------------------------------------------------- in-place ops
@@ -188,9 +297,11 @@ def test_inplace_relu_after_a_hooked_layer():
     forward_backward(twin, x, w)
     oracle = mlp_oracle(twin, x, w)
     for name in ("0", "2"):
-        a1, g1 = c1.layers[name].a_sum, c1.layers[name].g_sum
-        torch.testing.assert_close(a1, c2.layers[name].a_sum)
-        torch.testing.assert_close(g1, c2.layers[name].g_sum)
+        a1, g1 = c1.layers[name].accumulated()
+        a2, g2 = c2.layers[name].accumulated()
+        torch.testing.assert_close(a1, a2)
+        torch.testing.assert_close(g1, g2)
+        torch.testing.assert_close(a1.double(), oracle[name][0])
         torch.testing.assert_close(g1.double(), oracle[name][1])
 
 
@@ -234,8 +345,8 @@ def test_inplace_residual_add_gives_the_out_of_place_statistics():
     assert set(c1.layers) == {"stem", "bn0", "conv1", "bn1", "conv2", "bn2", "head"}
     for name, layer in c1.layers.items():
         assert layer.a_count == layer.g_count == 1, name
-        torch.testing.assert_close(layer.a_sum, c2.layers[name].a_sum)
-        torch.testing.assert_close(layer.g_sum, c2.layers[name].g_sum)
+        for t1, t2 in zip(layer.accumulated(), c2.layers[name].accumulated(), strict=True):
+            torch.testing.assert_close(t1, t2)
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)
 
@@ -339,7 +450,7 @@ def test_tied_parameter_is_assigned_once():
     assert collector.layers["emb"].a_count == collector.layers["emb"].g_count == 1
     # a_v: share of the tokens that are v
     counts = torch.bincount(idx.reshape(-1), minlength=10).float() / idx.numel()
-    torch.testing.assert_close(collector.layers["emb"].a_sum, counts)
+    torch.testing.assert_close(collector.layers["emb"].accumulated()[0], counts)
 
 
 class WithExtra(nn.Module):
@@ -369,7 +480,7 @@ def test_parameters_are_matched_by_identity():
             assert f.layout == rule_for(mod).layouts(mod)[attr]
     assert collector.factors_for(model.l2.bias).layout.a_off == 6
     forward_backward(model, torch.randn(3, 5))
-    assert collector.layers["l2"].a_sum.shape == (7,)
+    assert collector.layers["l2"].accumulated()[0].shape == (7,)
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -383,10 +494,11 @@ def test_low_precision_activations_give_float32_statistics(dtype):
     out = model(x)
     (out.float() * 300).sum().backward()
     layer = collector.layers["0"]
-    assert layer.a_sum.dtype == torch.float32 and layer.g_sum.dtype == torch.float32
-    assert torch.isfinite(layer.a_sum).all() and torch.isfinite(layer.g_sum).all()
+    a_sum, g_sum = layer.accumulated()
+    assert a_sum.dtype == torch.float32 and g_sum.dtype == torch.float32
+    assert torch.isfinite(a_sum).all() and torch.isfinite(g_sum).all()
     expected = x.double().square().mean(0)
-    torch.testing.assert_close(layer.a_sum[:5].double(), expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(a_sum[:5].double(), expected, rtol=1e-6, atol=0)
     collector.fold(GAMMA)
     for ly in collector.layers.values():
         assert ly.a.dtype == torch.float32 and torch.isfinite(ly.a).all()
@@ -401,6 +513,7 @@ def test_autocast_bf16_statistics_are_float32():
     out.float().sum().backward()
     for layer in collector.layers.values():
         assert layer.g_sum.dtype == torch.float32 and layer.g_count == 1
+        assert layer.a_sum.dtype == torch.float32
 
 
 # --------------------------------------------------------------------------- GradScaler
@@ -413,7 +526,7 @@ def test_grad_scaler_scale_is_removed(ema):
     x, w = torch.randn(4, 5), torch.randn(4, 3) * 1e-4  # small grads: the scale matters
     plain = FisherCollector(twin, ema=ema, impl="reference")
     forward_backward(twin, x, w)
-    plain_g_sum = plain.layers["2"].g_sum.clone()
+    plain_g_sum = plain.layers["2"].accumulated()[1]
     plain.fold(GAMMA)
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
@@ -421,7 +534,7 @@ def test_grad_scaler_scale_is_removed(ema):
     scaled = FisherCollector(model, ema=ema, impl="reference")
     scaled.grad_scaler = scaler
     scaler.scale((model(x) * w).sum()).backward()
-    g_sum = scaled.layers["2"].g_sum.clone()
+    g_sum = scaled.layers["2"].accumulated()[1]
     torch.testing.assert_close(g_sum / 2.0**24, plain_g_sum, rtol=1e-5, atol=0)
     scaled.fold(GAMMA)
     for name, layer in scaled.layers.items():

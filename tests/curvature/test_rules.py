@@ -262,6 +262,102 @@ def test_timm_conv2d_same_dynamic_padding():
             close(a, conv_oracle(plain, F.pad(x, pads)))
 
 
+@pytest.mark.parametrize("groups", ["1", "2", "depthwise"])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_conv2d_a_channels_last_input(groups, impl):
+    """A channels-last input is reduced in its own memory order (no copy) and gives
+    the same statistic."""
+    torch.manual_seed(17)
+    c_in = 4
+    groups, c_out = {"1": (1, 6), "2": (2, 6), "depthwise": (c_in, 2 * c_in)}[groups]
+    x = torch.randn(3, c_in, 7, 6).to(memory_format=torch.channels_last)
+    assert not x.is_contiguous()
+    for stride, padding, dilation, bias in ((1, 1, 1, True), (2, 0, 2, False)):
+        conv = nn.Conv2d(c_in, c_out, (3, 2), stride, padding, dilation, groups, bias)
+        close(rule_for(conv).a_stat(conv, x, impl), conv_oracle(conv, x))
+
+
+def test_conv_a_gathers_taps_per_dim_past_the_selector_size(monkeypatch):
+    """Past the size of one tap-by-position selector, taps are gathered per spatial dim."""
+    from hf_triaccel.curvature import rules
+
+    torch.manual_seed(18)
+    conv = nn.Conv2d(3, 4, 3, stride=2, padding=1, groups=1)
+    x = torch.randn(2, 3, 9, 8)
+    expected = conv_oracle(conv, x)
+    monkeypatch.setattr(rules, "_MAX_SELECTOR_ELEMENTS", 0)
+    close(rule_for(conv).a_stat(conv, x, "reference"), expected)
+    xl = x.to(memory_format=torch.channels_last)
+    close(rule_for(conv).a_stat(conv, xl, "reference"), expected)
+
+
+def test_fast_path_reuses_its_cache_and_leaves_the_last_entry():
+    """a_write / g_add: the statistic into a given buffer, the bias entry returned, the
+    gradient statistic written then accumulated; a second call reuses the cached plan."""
+    torch.manual_seed(19)
+    rule, conv = rule_for(nn.Conv2d(3, 4, 3)), nn.Conv2d(3, 4, 3, padding=1)
+    x, grad = torch.randn(2, 3, 5, 5), torch.randn(2, 4, 5, 5)
+    cache: dict = {}
+    out = torch.full((28,), -1.0)
+    last = rule.a_write(conv, x, out, "reference", cache)
+    assert last == pytest.approx(1 / 27) and out[-1] == -1.0  # groups / D, left to the caller
+    close(out[:-1], conv_oracle(conv, x)[:-1])
+    n_plans = len(cache)
+    rule.a_write(conv, x * 2, out, "reference", cache)
+    assert len(cache) == n_plans
+    close(out[:-1], conv_oracle(conv, x * 2)[:-1])
+    g = torch.full((4,), 5.0)
+    rule.g_add(conv, grad, g, False, "reference", cache)
+    close(g, conv_g_oracle(grad))
+    rule.g_add(conv, grad, g, True, "reference", cache)
+    close(g, 2 * conv_g_oracle(grad))
+
+
+def test_a_subclass_overriding_a_statistic_keeps_its_override():
+    """A subclass of a built-in rule that changes a_stat only must not be bypassed by
+    the base's fast path."""
+    from hf_triaccel.curvature.rules import FisherRule, statistic_writers
+
+    class HalfLinearRule(LinearRule):
+        def a_stat(self, module, x, impl):
+            return super().a_stat(module, x, impl) / 2
+
+    lin = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    a_write, g_add = statistic_writers(HalfLinearRule())
+    out = torch.zeros(4)
+    assert a_write(lin, x, out, "reference", {}) is None
+    close(out, LinearRule().a_stat(lin, x, "reference") / 2)
+    assert g_add.__self__.__class__ is HalfLinearRule  # g_stat untouched: the fast path
+    a_fast, _ = statistic_writers(LinearRule())
+    assert a_fast.__func__ is LinearRule.a_write
+    a_generic, _ = statistic_writers(HalfLinearRule())
+    assert a_generic.func is FisherRule.a_write
+
+
+@pytest.mark.parametrize("per_dim", [False, True])
+def test_statistics_under_autocast_are_float32(per_dim, monkeypatch):
+    """The tap gather and a norm layer's sum of squares are matrix products, which
+    autocast would run in bfloat16."""
+    from hf_triaccel.curvature import rules
+
+    if per_dim:
+        monkeypatch.setattr(rules, "_MAX_SELECTOR_ELEMENTS", 0)
+    torch.manual_seed(20)
+    model = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.BatchNorm2d(5))
+    collector = FisherCollector(model, impl="reference")
+    x = torch.randn(2, 3, 6, 6) * 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model[0](x)
+        out = model[1](h)
+    out.float().square().sum().backward()
+    conv_a, _ = collector.layers["0"].accumulated()
+    close(conv_a, conv_oracle(model[0], x), rtol=1e-6)
+    norm_a, _ = collector.layers["1"].accumulated()
+    close(norm_a, norm_a_oracle(h.detach().float()), rtol=1e-6)
+    collector.remove()
+
+
 def test_conv_a_under_float64_default_dtype():
     conv = nn.Conv2d(2, 3, 3, padding=1)
     x = torch.randn(2, 2, 5, 5)
@@ -477,8 +573,9 @@ def test_timm_batchnormact2d_is_matched_as_batchnorm():
     assert isinstance(rule_for(bn_act), ChannelNormRule)
     layer, x, grad = _bn_act_stats(bn_act)
     assert layer.a_count == layer.g_count == 1
-    close(layer.a_sum, norm_a_oracle(x))  # the hook input is the batch-norm input
-    close(layer.g_sum, channel_g_oracle(grad))
+    a_sum, g_sum = layer.accumulated()
+    close(a_sum, norm_a_oracle(x))  # the hook input is the batch-norm input
+    close(g_sum, channel_g_oracle(grad))
 
 
 def test_timm_batchnormact2d_g_is_taken_before_the_activation():
@@ -486,8 +583,9 @@ def test_timm_batchnormact2d_g_is_taken_before_the_activation():
 
     bn_act = BatchNormAct2d(4, act_layer=nn.ReLU)
     layer, x, grad = _bn_act_stats(bn_act)
-    close(layer.a_sum, norm_a_oracle(x))
-    close(layer.g_sum, channel_g_oracle(grad))
+    a_sum, g_sum = layer.accumulated()
+    close(a_sum, norm_a_oracle(x))
+    close(g_sum, channel_g_oracle(grad))
 
 
 # --------------------------------------------------------------------------- dtypes

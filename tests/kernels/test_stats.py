@@ -140,6 +140,79 @@ def test_channel_sum_is_deterministic_and_dispatched():
     assert torch.equal(channel_sum(x, True, impl="triton"), channel_sum_triton(x, True))
 
 
+# ---------------------------------------------------------------- epilogue: out, scale
+
+
+EPILOGUE_CASES = [
+    ("rows", (37, 19)),  # one split
+    ("rows", (1500, 5)),  # split, then the finishing kernel
+    ("rows_transposed", (40, 30)),  # summed as channels
+    ("channels", (3, 5, 11)),
+    ("channels", (2, 9, 1500)),  # split
+    ("channels_last", (3, 6, 35)),  # summed as rows
+]
+
+
+def _epilogue_input(kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if kind == "rows_transposed":
+        return randn(*shape[::-1], dtype=torch.bfloat16).t()
+    if kind == "channels_last":
+        b, c, length = shape
+        return randn(b, length, c, dtype=torch.float16).transpose(1, 2)
+    return randn(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind, shape", EPILOGUE_CASES)
+@pytest.mark.parametrize("square, square_result", [(True, False), (False, True)])
+def test_epilogue_writes_and_accumulates_like_the_reference(kind, shape, square, square_result):
+    """out (+)= scale * sums (or sums**2): the kernels and the references agree."""
+    x = _epilogue_input(kind, shape)
+    rows = kind.startswith("rows")
+    triton_fn = sum_rows_triton if rows else channel_sum_triton
+    reference_fn = sum_rows_reference if rows else channel_sum_reference
+    n = x.shape[1]
+    start = randn(n, seed=1)
+    options = dict(scale=0.37, square_result=square_result)
+    for accumulate in (False, True):
+        got, want = start.clone(), start.clone()
+        out = triton_fn(x, square, out=got, accumulate=accumulate, **options)
+        assert out is got
+        reference_fn(x, square, out=want, accumulate=accumulate, **options)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # without out: a new tensor holding the scaled result
+    torch.testing.assert_close(
+        triton_fn(x, square, **options), reference_fn(x, square, **options), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_epilogue_dispatch_and_empty_inputs():
+    x = randn(6, 4)
+    out = torch.full((4,), 2.0)
+    sum_rows(x, True, impl="triton", out=out, scale=0.5, accumulate=True)
+    torch.testing.assert_close(out, 2.0 + 0.5 * x.square().sum(0))
+    channel_sum(x.view(2, 3, 4).transpose(1, 2), False, impl="reference", out=out)
+    torch.testing.assert_close(out, x.view(2, 3, 4).sum((0, 1)))
+    # a reduction over nothing: zeros when written, unchanged when added to
+    kept = torch.ones(3)
+    sum_rows_triton(torch.ones(0, 3), True, out=kept, accumulate=True)
+    assert torch.equal(kept, torch.ones(3))
+    channel_sum_triton(torch.ones(0, 3, 5), True, out=kept)
+    assert torch.equal(kept, torch.zeros(3))
+
+
+@pytest.mark.parametrize("fn", [sum_rows_triton, sum_rows_reference])
+def test_epilogue_rejects_bad_outputs(fn):
+    x = randn(5, 4)
+    with pytest.raises(ValueError, match="accumulate"):
+        fn(x, True, accumulate=True)
+    with pytest.raises(ValueError, match="out"):
+        fn(x, True, out=torch.zeros(5))
+    with pytest.raises(ValueError, match="out"):
+        fn(x, True, out=torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out"):
+        fn(x, True, out=torch.zeros(8)[::2])
+
+
 # ---------------------------------------------------------------- fold
 
 FOLD_LENGTHS = (2, 37, 2100, 5)  # 2100 spans two fold blocks

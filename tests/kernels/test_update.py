@@ -22,7 +22,13 @@ from hf_triaccel.curvature.rules import (
     per_entry_layout,
 )
 from hf_triaccel.kernels import update
-from hf_triaccel.kernels.update import BLOCK, cache_info, clear_cache, fused_adafisher
+from hf_triaccel.kernels.update import (
+    BLOCK,
+    FusedAdaFisher,
+    cache_info,
+    clear_cache,
+    fused_adafisher,
+)
 from hf_triaccel.optim.functional import _reference_adafisher, adafisher
 
 HYPER = dict(beta=0.9, damping=1e-3)
@@ -244,6 +250,101 @@ def test_non_contiguous_tensors_use_the_reference_path(device):
     assert plan.fallback == [0]
     assert_matches(params, ref_params, torch.float32)
     assert_matches(moms, ref_moms, torch.float32)
+
+
+def _channels_last(tensors, positions):
+    out = list(tensors)
+    for i in positions:
+        out[i] = out[i].contiguous(memory_format=torch.channels_last)
+        assert out[i].dim() != 4 or not out[i].is_contiguous()
+    return out
+
+
+# conv weights whose memory order differs from their logical order (kh * kw > 1, C_in > 1),
+# one spanning several chunks; a 4-D tensor without factors
+CHANNELS_LAST_SPECS = [
+    ((6, 3, 3, 3), (6, 27, out_in_layout(6, 27))),
+    ((5, 7, 3, 2), (5, 43, out_in_layout(5, 42))),  # a bias entry after the weight's
+    ((9, 40, 2, 3), (9, 240, out_in_layout(9, 240))),
+    ((2, 3, 4, 5), None),
+    ((4,), (4, 43, per_entry_layout(4, 42))),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_last_weights_use_the_kernel(device, dtype):
+    """A channels-last weight (with gradient and momentum alike) is updated by the kernel,
+    with each memory position mapped back to its factor entry."""
+    params, moms, factors, steps = make_case(CHANNELS_LAST_SPECS, dtype, 3, device)
+    four_d = [i for i, p in enumerate(params) if p.dim() == 4]
+    params, moms = _channels_last(params, four_d), _channels_last(moms, four_d)
+    ref_params, ref_moms = clone_all(params), clone_all(moms)
+    gen = torch.Generator().manual_seed(4)
+    kwargs = dict(lr=0.01, weight_decay=0.05, decoupled=False, **HYPER)
+    peak = [p.float().abs() for p in params]
+    clear_cache()
+    for _ in range(3):
+        grads = _channels_last(fresh_grads(params, gen), four_d)
+        torch._foreach_add_(steps, 1.0)
+        fused_adafisher(params, grads, moms, factors, steps, **kwargs)
+        _reference_adafisher(ref_params, grads, ref_moms, factors, steps, **kwargs)
+        peak = [torch.maximum(m, p.float().abs()) for m, p in zip(peak, ref_params, strict=True)]
+    (plan,) = update._PLANS.values()
+    assert plan.fallback == []
+    assert sorted(g.channels_last for g in plan.groups) == [False, True]
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in params[:4])
+    assert_matches(params, ref_params, dtype, peak)
+    assert_moms_match(moms, ref_moms, dtype)
+
+
+def test_channels_last_with_another_layout_uses_the_reference_path(device):
+    """A layout that is not a conv weight's cannot be permuted: reference path."""
+    lay = FactorLayout(g_div=1, g_mod=4, a_div=4, a_mod=27)  # an (in, out)-style layout
+    params, moms, factors, steps = make_case([((4, 3, 3, 3), (4, 27, lay))], torch.float32, 5)
+    params, moms = _channels_last(params, [0]), _channels_last(moms, [0])
+    grads = _channels_last(fresh_grads(params, torch.Generator().manual_seed(5)), [0])
+    ref_params, ref_moms = clone_all(params), clone_all(moms)
+    torch._foreach_add_(steps, 1.0)
+    kwargs = dict(lr=0.01, weight_decay=0.0, decoupled=True, **HYPER)
+    clear_cache()
+    fused_adafisher(params, grads, moms, factors, steps, **kwargs)
+    _reference_adafisher(ref_params, grads, ref_moms, factors, steps, **kwargs)
+    (plan,) = update._PLANS.values()
+    assert plan.fallback == [0]
+    assert_matches(params, ref_params, torch.float32)
+
+
+def test_bound_update_checks_only_params_and_grads(device):
+    """FusedAdaFisher: tables built once; new gradient tensors reload only their table;
+    a moved or cast parameter rebuilds them; results match the reference throughout."""
+    params, moms, factors, steps = make_case(SMALL_SPECS[:4], torch.float32, 6, device)
+    ref_params, ref_moms = clone_all(params), clone_all(moms)
+    gen = torch.Generator().manual_seed(6)
+    kwargs = dict(lr=0.01, weight_decay=0.01, decoupled=True, **HYPER)
+    bound = FusedAdaFisher(params, moms, factors, steps)
+    clear_cache()
+
+    def step(grads):
+        torch._foreach_add_(steps, 1.0)
+        bound(grads, **kwargs)
+        _reference_adafisher(ref_params, grads, ref_moms, factors, steps, **kwargs)
+        assert_matches(params, ref_params, torch.float32)
+        assert_matches(moms, ref_moms, torch.float32)
+
+    grads = fresh_grads(params, gen)
+    step(grads)
+    step(grads)
+    assert cache_info() == {"cached": 0, "plans": 1, "grad_tables": 1}
+    step(fresh_grads(params, gen))
+    assert cache_info()["plans"] == 1 and cache_info()["grad_tables"] == 2
+    params[1].data = params[1].data.clone()  # a parameter reallocated (model.to, say)
+    ref_params[1].data.copy_(params[1].data)
+    step(grads)
+    assert cache_info()["plans"] == 2
+    step([g.to(torch.bfloat16) for g in grads])  # a new gradient dtype: new groups
+    assert cache_info()["plans"] == 3
+    with pytest.raises(ValueError, match="gradients"):
+        bound(grads[:-1], **kwargs)
 
 
 def test_functional_dispatches_to_the_kernel(device):

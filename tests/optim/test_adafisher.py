@@ -110,18 +110,36 @@ def test_reference_matches_float64_oracle(cls, ema):
 def test_foreach_matches_reference_over_300_steps(cls):
     """ema="reference" over 300 steps (refreshes at 0, 100, 200) on a ResNet-style model.
 
-    lr is kept small: AdaFisher's step is lr / F with F down to ``damping``, and at
-    larger lr this tiny model trains chaotically, so any rounding difference grows.
+    Before each step the foreach model is given the reference model's weights, so both
+    optimizers see the same gradients and statistics: their own state (momenta, factors,
+    step counts) is what is compared, step after step. (Two free-running trajectories
+    split wherever rounding differences carry an activation across a ReLU kink.)
     """
     torch.manual_seed(0)
     model = resnet_style()
-    runs = {}
-    for impl in ("reference", "foreach"):
-        m = copy.deepcopy(model)
-        opt = cls.from_model(m, lr=1e-4, weight_decay=5e-4, impl=impl)
-        train(m, opt, batches(300, seed=2, shape=(4, 3, 6, 6), classes=10))
-        runs[impl] = m
-    assert max_rel_diff(runs["foreach"], runs["reference"]) < 1e-5
+    models = {impl: copy.deepcopy(model) for impl in ("reference", "foreach")}
+    opts = {
+        impl: cls.from_model(m, lr=1e-4, weight_decay=5e-4, impl=impl) for impl, m in models.items()
+    }
+    worst = 0.0
+    for x, y in batches(300, seed=2, shape=(4, 3, 6, 6), classes=10):
+        models["foreach"].load_state_dict(models["reference"].state_dict())
+        for impl, m in models.items():
+            F.cross_entropy(m(x), y).backward()
+            opts[impl].step()
+            opts[impl].zero_grad()
+        worst = max(worst, max_rel_diff(models["foreach"], models["reference"]))
+    assert worst < 1e-5
+    ref, fe = opts["reference"], opts["foreach"]
+    pairs = zip(models["reference"].parameters(), models["foreach"].parameters(), strict=True)
+    for p_ref, p_fe in pairs:
+        torch.testing.assert_close(
+            fe.state[p_fe]["momentum"], ref.state[p_ref]["momentum"], rtol=1e-5, atol=1e-9
+        )
+        assert fe.state[p_fe]["step"] == ref.state[p_ref]["step"] == 300
+    for name, layer in ref.collector.layers.items():
+        torch.testing.assert_close(fe.collector.layers[name].a, layer.a, rtol=1e-5, atol=0)
+        torch.testing.assert_close(fe.collector.layers[name].g, layer.g, rtol=1e-5, atol=0)
 
 
 def test_triton_matches_reference_interpreted():
@@ -190,6 +208,85 @@ def test_none_grads_are_skipped():
     opt.step()
     assert torch.equal(before, model["unused"].weight)
     assert model["unused"].weight not in opt.state
+
+
+def test_step_counts_follow_which_parameters_have_gradients():
+    """Each parameter keeps its own step count (a 0-d float32 tensor in its state, as in
+    torch's optimizers) while the set of parameters with gradients changes."""
+    model = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 2)})
+    twin = copy.deepcopy(model)
+    opt = AdaFisher.from_model(model, lr=1e-2, update_every=2, impl="reference")
+    opt_twin = AdaFisher.from_model(twin, lr=1e-2, update_every=2, impl="reference")
+    x = torch.randn(3, 4)
+    for uses in (("a",), ("a", "b"), ("b",), ("a",), ("a", "b")):
+        for m, o in ((model, opt), (twin, opt_twin)):
+            sum(m[k](x).square().sum() for k in uses).backward()
+            o.step()
+            o.zero_grad()
+        # the twin's plans are rebuilt every step: same result as the cached ones
+        opt_twin._plans = []
+    for name, expected in (("a", 4.0), ("b", 3.0)):
+        step = opt.state[model[name].weight]["step"]
+        assert step.dtype == torch.float32 and step.dim() == 0 and step.item() == expected
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+    sd = opt.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert [s["step"].item() for s in loaded["state"].values()] == [4.0, 4.0, 3.0, 3.0]
+
+
+def test_added_param_group_and_switched_implementation(monkeypatch):
+    """A param group added after the first step is stepped too; an implementation
+    chosen by the environment variable between steps takes effect at the next one.
+    Against a twin whose step plans are rebuilt at every step."""
+    torch.manual_seed(0)
+    model = small_cnn()
+    twin = copy.deepcopy(model)
+    opts = []
+    for m, impl in ((model, None), (twin, "reference")):
+        body = [p for n, p in m.named_parameters() if not n.startswith("6.")]
+        opts.append(AdaFisherW([{"params": body}], FisherCollector(m), lr=1e-2, impl=impl))
+    opt, twin_opt = opts
+    monkeypatch.setenv("HF_TRIACCEL_IMPL", "foreach")
+    for x, y in batches(4, seed=8):
+        twin_opt._plans = []
+        for m, o in ((model, opt), (twin, twin_opt)):
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            m.zero_grad()  # the head's gradient too, before its group is added
+        if len(opt.param_groups) == 1:
+            for m, o in ((model, opt), (twin, twin_opt)):
+                o.add_param_group({"params": list(m[6].parameters())})
+            monkeypatch.setenv("HF_TRIACCEL_IMPL", "reference")
+    assert max_rel_diff(model, twin) < 1e-6
+    assert {part.impl for plan in opt._plans for part in plan.parts} == {"reference"}
+    assert all(opt.state[p]["step"] == 3 for p in model[6].parameters())
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_triton_matches_reference_with_channels_last_weights(memory_format):
+    """The fused kernel's channels-last path inside the optimizer (interpreted on CPU)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+    torch.manual_seed(0)
+    model = resnet_style().to(memory_format=memory_format)
+    runs = {}
+    for impl in ("reference", "triton"):
+        m = copy.deepcopy(model)
+        opt = AdaFisherW.from_model(m, lr=1e-3, weight_decay=1e-2, update_every=2, impl=impl)
+        data = [(x.contiguous(memory_format=memory_format), y) for x, y in batches(3, seed=9)]
+        train(m, opt, data)
+        runs[impl] = m
+    assert max_rel_diff(runs["triton"], runs["reference"]) < 1e-5
+    conv = runs["triton"][0].weight
+    assert conv.is_contiguous(memory_format=memory_format)
 
 
 def test_closure_returns_loss():
