@@ -23,6 +23,7 @@ from hf_triaccel.curvature.fold import EMA_MODES
 from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.data.images import ImageTensors
 from hf_triaccel.dispatch import IMPLS
+from hf_triaccel.integrations.elastic import TrainerElasticBatch
 from hf_triaccel.integrations.plugin import OPTIMIZERS, TriAccelPlugin, check_distributed_support
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
 from hf_triaccel.integrations.trainer_data import DeviceImageDataLoader
@@ -98,6 +99,21 @@ class TriAccelArguments(TrainingArguments):
             "--fp16, where a loss scaler exists, else 0)."
         },
     )
+    elastic_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "Micro-batch that follows live GPU memory, with out-of-memory steps re-run "
+            "in smaller pieces; the effective batch stays per_device_train_batch_size. "
+            "--auto_find_batch_size turns it on too (it replaces the stock search)."
+        },
+    )
+    elastic_min_micro_batch: int = field(
+        default=1, metadata={"help": "Elastic batch: smallest micro-batch before giving up."}
+    )
+    elastic_target_fraction: float = field(
+        default=0.9,
+        metadata={"help": "Elastic batch: peak memory target, as a share of what the GPU gives."},
+    )
     device_data_augment: bool = field(
         default=True,
         metadata={
@@ -113,6 +129,20 @@ class TriAccelArguments(TrainingArguments):
         if ours:
             self._check_adafisher_fields()
             chosen, self.optim = self.optim, "adamw_torch"  # let the parent validate the rest
+        if self.auto_find_batch_size:
+            # the stock search restarts the inner loop and drops the accumulation
+            # arithmetic; the elastic controller replaces it under the same flag
+            self.auto_find_batch_size, self.elastic_batch = False, True
+        if self.elastic_min_micro_batch < 1:
+            raise ValueError(
+                f"TriAccelArguments.elastic_min_micro_batch={self.elastic_min_micro_batch!r}: "
+                "needs >= 1"
+            )
+        if not 0.0 < self.elastic_target_fraction <= 1.0:
+            raise ValueError(
+                f"TriAccelArguments.elastic_target_fraction={self.elastic_target_fraction!r}: "
+                "must lie in (0, 1]"
+            )
         super().__post_init__()
         if self.triaccel_precision and not ours:
             raise ValueError(
@@ -236,6 +266,28 @@ class TriAccelTrainer(Trainer):
         self.add_callback(self.telemetry)
         self.signals: SignalTracker | None = None
         self.precision: PrecisionController | None = None
+        self.elastic: TrainerElasticBatch | None = None
+        if args.elastic_batch:
+            self.enable_elastic_batch(
+                min_micro_batch=args.elastic_min_micro_batch,
+                target_fraction=args.elastic_target_fraction,
+            )
+
+    def enable_elastic_batch(self, **kwargs: Any) -> TrainerElasticBatch:
+        """Turns on the memory-elastic micro-batch (what ``elastic_batch=True`` does);
+        ``kwargs`` go to :class:`TrainerElasticBatch` (e.g. a custom memory ``probe``)."""
+        self.elastic = TrainerElasticBatch.attach(self, **kwargs)
+        return self.elastic
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.elastic is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        return self.elastic.training_step(model, inputs, num_items_in_batch)
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        if self.elastic is not None:
+            self.elastic.resume(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, **kwargs)
 
     @property
     def collector(self):

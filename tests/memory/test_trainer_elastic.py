@@ -1,0 +1,274 @@
+"""TrainerElasticBatch wired into TriAccelTrainer the documented way (CPU): the same
+parameters as an uninterrupted run at the same batch, checkpoint state, telemetry; and
+FisherStatisticsRollback keeping AdaFisher exact in a hand-written loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+transformers = pytest.importorskip("transformers")
+
+from hf_triaccel import AdaFisherW  # noqa: E402
+from hf_triaccel.integrations.elastic import (  # noqa: E402
+    STATE_NAME,
+    FisherStatisticsRollback,
+)
+from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer  # noqa: E402
+from hf_triaccel.memory.elastic import ElasticBatchController  # noqa: E402
+from tests.memory.fakes import CountingProbe, OOMInBackward, oom  # noqa: E402
+
+
+class ElasticTrainer(TriAccelTrainer):
+    """TriAccelTrainer with elastic batching and the controller's arguments (fake probes)."""
+
+    def __init__(self, *args, elastic: dict | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.enable_elastic_batch(**(elastic or {}))
+
+
+class TokenSet(Dataset):
+    def __init__(self, n: int = 32, seq: int = 8, vocab: int = 64) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=gen)
+        self.labels = self.ids.clone()
+        self.labels[:, :4][torch.rand(n, 4, generator=gen) < 0.5] = -100  # uneven token counts
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def tiny_gpt2(limit: int | None = None, armed: list[bool] | None = None):
+    """GPT-2 without dropout (pieces draw different masks than the whole batch), with an
+    OOM for more than ``limit`` sequences and an OOM in the backward while ``armed``."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    if limit is not None:
+
+        def too_big(module, args, kwargs):
+            if kwargs["input_ids"].shape[0] > limit:
+                raise oom()
+
+        model.register_forward_pre_hook(too_big, with_kwargs=True)
+    if armed is not None:
+
+        def fail_in_backward(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = OOMInBackward.apply(hidden, armed)
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+        model.transformer.h[0].register_forward_hook(fail_in_backward)
+    return model
+
+
+def make_args(tmp_path, **kw) -> TriAccelArguments:
+    defaults = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        adafisher_update_every=1,
+        disable_tqdm=True,
+        max_steps=3,
+    )
+    defaults.update(kw)
+    return TriAccelArguments(**defaults)
+
+
+class VectorSet(Dataset):
+    def __init__(self, n: int = 32) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 6, generator=gen)
+        self.y = torch.randint(0, 3, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class FaultyMLP(nn.Module):
+    """A plain MLP with an OOM for more than ``limit`` samples and one in the backward,
+    between the two layers, while ``armed``."""
+
+    def __init__(self, limit: int | None = None, armed: list[bool] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(6, 12), nn.Linear(12, 3)
+        self.limit, self.armed = limit, armed or [False]
+
+    def forward(self, x):
+        if self.limit is not None and x.shape[0] > self.limit:
+            raise oom()
+        return self.down(OOMInBackward.apply(torch.tanh(self.up(x)), self.armed))
+
+
+CASES = {
+    # GPT-2's loss is normalised by the Trainer's token count: pieces are added as they are.
+    # (AdaFisher is left out here: the statistic of its position embedding, broadcast over
+    # the batch, depends on the micro-batch size.)
+    "gpt2-adamw": (tiny_gpt2, TokenSet, "adamw_torch"),
+    # a plain module's mean loss: pieces are weighted by their share of the batch
+    "mlp-adafisherw": (FaultyMLP, VectorSet, "adafisherw"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_trainer_matches_an_uninterrupted_run(tmp_path, case):
+    make_model, make_data, optim = CASES[case]
+    reference = make_model()
+    plain = TriAccelTrainer(
+        model=reference, args=make_args(tmp_path / "ref", optim=optim), train_dataset=make_data()
+    )
+    plain.train()
+
+    armed = [True]  # the first backward fails once, after the top layers' gradients
+    model = make_model(limit=2, armed=armed)
+    trainer = ElasticTrainer(
+        model=model, args=make_args(tmp_path / "elastic", optim=optim), train_dataset=make_data()
+    )
+    trainer.train()
+    controller = trainer.elastic.controller
+    assert [(e.step, e.old, e.new, e.reason) for e in controller.events] == [
+        (0, 8, 4, "oom"),
+        (0, 4, 2, "oom"),
+        (0, 2, 1, "oom"),  # the backward OOM
+    ]
+    assert not armed[0] and controller.steps == 3
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=2e-5, atol=2e-6, msg=name)
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    ref_logs = [e for e in plain.state.log_history if "loss" in e]
+    assert [e["loss"] for e in logs] == pytest.approx([e["loss"] for e in ref_logs], rel=1e-5)
+    assert logs[-1]["micro_batch"] == 1 and logs[-1]["accumulation"] == 8
+
+
+def test_checkpoint_keeps_the_micro_batch(tmp_path):
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, optim="adamw_torch")
+    first = ElasticTrainer(
+        model=FaultyMLP(limit=3), args=make_args(tmp_path, **common), train_dataset=VectorSet()
+    )
+    first.train()
+    state = json.loads((tmp_path / "checkpoint-2" / STATE_NAME).read_text())
+    assert state["micro_batch"] == 2 and state["steps"] == 2
+    assert [e["reason"] for e in state["events"]] == ["oom", "oom"]
+
+    resumed = ElasticTrainer(
+        model=FaultyMLP(), args=make_args(tmp_path, **common), train_dataset=VectorSet()
+    )
+    assert resumed.elastic.controller.micro_batch == 8
+    resumed.train(resume_from_checkpoint=True)  # the last checkpoint: checkpoint-4
+    assert resumed.elastic.controller.micro_batch == 2
+    assert resumed.elastic.controller.steps == 4
+
+
+def test_unsupported_settings(tmp_path):
+    args = make_args(tmp_path, auto_find_batch_size=True)
+    assert args.elastic_batch and not args.auto_find_batch_size  # the flag now means elastic
+    trainer = TriAccelTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenSet())
+    assert trainer.elastic is not None
+    with pytest.warns(UserWarning, match="gradient_accumulation_steps=2"):
+        ElasticTrainer(
+            model=tiny_gpt2(),
+            args=make_args(tmp_path, gradient_accumulation_steps=2),
+            train_dataset=TokenSet(),
+        )
+
+
+def test_activation_checkpointing_fallback_wraps_the_blocks(tmp_path):
+    trainer = ElasticTrainer(
+        model=tiny_gpt2(),
+        args=make_args(tmp_path),
+        train_dataset=TokenSet(),
+        elastic={"checkpoint_blocks": 1, "min_micro_batch": 4},
+    )
+    trainer.elastic.controller.enable_activation_checkpointing()
+    assert trainer.elastic.checkpointed.names == ["transformer.h.0"]
+
+
+# -- AdaFisher in a hand-written loop --------------------------------------------------
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def _data():
+    gen = torch.Generator().manual_seed(2)
+    return [
+        (torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen))
+        for _ in range(3)
+    ]
+
+
+def _adafisher_run(elastic: bool, rollback: bool = True):
+    model = _mlp()
+    opt = AdaFisherW.from_model(model, lr=1e-2, update_every=1, impl="reference")
+    armed = [False]
+    controller = ElasticBatchController(16, probe=CountingProbe())
+    rollbacks = [FisherStatisticsRollback(opt.collector)] if rollback else []
+
+    def loss_fn(piece):
+        x, y = piece
+        if len(x) > 8:
+            raise oom()
+        h = OOMInBackward.apply(model[1](model[0](x)), armed)
+        return F.cross_entropy(model[2](h), y)
+
+    for step, (x, y) in enumerate(_data()):
+        if elastic:
+            armed[0] = step == 1
+            controller.run_step((x, y), loss_fn, model=model, rollbacks=rollbacks)
+        else:
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_fisher_rollback_keeps_adafisher_exact():
+    full, full_opt = _adafisher_run(elastic=False)
+    elastic, elastic_opt = _adafisher_run(elastic=True)
+    for p, q in zip(elastic.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for name, layer in full_opt.collector.state_dict().items():
+        got = elastic_opt.collector.state_dict()[name]
+        torch.testing.assert_close(got["a"], layer["a"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got["g"], layer["g"], rtol=1e-5, atol=1e-9)
+
+    # without the rollback, the failed attempt's statistics are counted too
+    unguarded, unguarded_opt = _adafisher_run(elastic=True, rollback=False)
+    g_full = full_opt.collector.state_dict()["2"]["g"]
+    assert not torch.allclose(unguarded_opt.collector.state_dict()["2"]["g"], g_full, rtol=1e-5)
+
+
+def test_fallback_leaves_transformers_checkpointing_alone(tmp_path):
+    model = tiny_gpt2()
+    model.activation_checkpointing_enable()
+    trainer = ElasticTrainer(model=model, args=make_args(tmp_path), train_dataset=TokenSet())
+    trainer.elastic.enable_activation_checkpointing()
+    assert trainer.elastic.checkpointed is None
