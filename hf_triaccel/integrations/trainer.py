@@ -222,7 +222,8 @@ class TriAccelTrainer(Trainer):
 
     Works with transformers models and with plain ``nn.Module`` models (timm): for
     those, the batch's single non-label entry is passed positionally and the loss is
-    cross-entropy on the returned logits (or ``compute_loss_func`` when given).
+    cross-entropy on the returned logits, with ``label_smoothing_factor`` (or
+    ``compute_loss_func`` when given).
 
     ``train_dataset`` / ``eval_dataset`` may be an
     :class:`~hf_triaccel.data.images.ImageTensors` (decoded images, see
@@ -250,6 +251,11 @@ class TriAccelTrainer(Trainer):
             # for a plain module such as timm's forward(x)
             logger.info("plain nn.Module model: keeping every dataset column")
             args.remove_unused_columns = False
+        # the stock label smoother reads model.config, which a plain module lacks: the
+        # plain-model loss applies the smoothing itself
+        self._label_smoothing = 0.0
+        if self._plain_model and args.label_smoothing_factor:
+            self._label_smoothing, args.label_smoothing_factor = args.label_smoothing_factor, 0.0
         super().__init__(model, args, *a, **kw)
         if self._plain_model and self.args.label_names is None:
             self.label_names = ["labels"]
@@ -344,7 +350,7 @@ class TriAccelTrainer(Trainer):
                 # count, and DDP averages gradients over processes
                 loss = loss * self.accelerator.num_processes
         else:
-            loss = F.cross_entropy(logits.float(), labels)
+            loss = F.cross_entropy(logits.float(), labels, label_smoothing=self._label_smoothing)
         return (loss, {"logits": logits}) if return_outputs else loss
 
     def get_train_dataloader(self):

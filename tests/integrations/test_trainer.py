@@ -206,3 +206,18 @@ def test_adaptive_precision_through_the_trainer(tmp_path):
 def test_precision_needs_adafisher(tmp_path):
     with pytest.raises(ValueError, match="triaccel_precision"):
         TriAccelArguments(output_dir=str(tmp_path), optim="adamw_torch", triaccel_precision=True)
+
+
+def test_label_smoothing_with_a_plain_model(tmp_path):
+    trainer = TriAccelTrainer(
+        model=tiny_timm(),
+        args=make_args(tmp_path, max_steps=1, label_smoothing_factor=0.1),
+        train_dataset=ImageSet(),
+    )
+    batch = {"pixel_values": ImageSet().x[:4], "labels": ImageSet().y[:4]}
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+        logits = trainer.model(batch["pixel_values"])
+    expected = torch.nn.functional.cross_entropy(logits, batch["labels"], label_smoothing=0.1)
+    torch.testing.assert_close(loss, expected)
+    trainer.train()
