@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -40,11 +39,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hf_triaccel.data.images import GPUBatchLoader, load_image_dataset
 from hf_triaccel.integrations.timm_models import create_cifar_model
-from hf_triaccel.quickstart import DEFAULT_HYPERPARAMETERS, OPTIMIZERS, build_optimizer, evaluate
+from hf_triaccel.quickstart import (
+    DEFAULT_HYPERPARAMETERS,
+    OPTIMIZERS,
+    build_optimizer,
+    evaluate,
+    train_loop,
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -120,44 +124,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     total_steps = args.epochs * len(train_loader)
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
-    # AdaFisher has no Adam betas to cycle: momentum stays fixed for every optimizer
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, total_steps=total_steps, cycle_momentum=False
-    )
-
-    epoch_seconds, epoch_steps, epoch_loss, epoch_accuracy = [], [], [], []
-    step = 0
     synchronize(device)
     train_start = time.perf_counter()
-    for _ in range(math.ceil(total_steps / len(train_loader))):
-        epoch_start = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), dtype=torch.long, device=device)
-        seen = 0
-        for images, labels in train_loader:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            loss_sum += loss.detach() * len(labels)
-            correct += (logits.argmax(dim=1) == labels).sum()
-            seen += len(labels)
-            step += 1
-            if step == total_steps:
-                break
-        # .item() synchronises: the epoch time below covers all of its GPU work
-        epoch_loss.append(loss_sum.item() / seen)
-        epoch_accuracy.append(correct.item() / seen)
-        epoch_seconds.append(time.perf_counter() - epoch_start)
-        epoch_steps.append(seen // args.batch_size)
-        print(
-            f"epoch {len(epoch_seconds)}: loss {epoch_loss[-1]:.4f}, "
-            f"accuracy {100 * epoch_accuracy[-1]:.2f}%, {epoch_seconds[-1]:.2f} s",
-            file=sys.stderr,
-        )
+    step, epochs = train_loop(
+        model,
+        optimizer,
+        train_loader,
+        total_steps=total_steps,
+        lr=args.lr,
+        bf16=cuda,
+        label_smoothing=args.label_smoothing,
+        log=lambda line: print(line, file=sys.stderr),
+    )
     synchronize(device)
     train_seconds = time.perf_counter() - train_start
 
@@ -166,8 +144,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eval_seconds = time.perf_counter() - eval_start
 
     # the first epoch carries cuDNN autotuning and warm-up: leave it out when there are more
-    first = 1 if len(epoch_seconds) > 1 else 0
-    images_per_second = sum(epoch_steps[first:]) * args.batch_size / sum(epoch_seconds[first:])
+    timed = epochs[1:] if len(epochs) > 1 else epochs
+    images_per_second = sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed)
     return {
         "optimizer": args.optimizer,
         "model": args.model,
@@ -175,7 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "weight_decay": args.weight_decay,
         "label_smoothing": args.label_smoothing,
         "impl": args.impl,
-        "epochs": len(epoch_seconds),
+        "epochs": len(epochs),
         "steps": step,
         "batch_size": args.batch_size,
         "channels_last": args.channels_last,
@@ -184,10 +162,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "train_images": len(train_data),
         "test_images": len(test_data),
         "test_accuracy": test_accuracy,
-        "final_train_loss": epoch_loss[-1],
-        "final_train_accuracy": epoch_accuracy[-1],
+        "final_train_loss": epochs[-1]["train_loss"],
+        "final_train_accuracy": epochs[-1]["train_accuracy"],
         "train_seconds": train_seconds,
-        "epoch_seconds": epoch_seconds,
+        "epoch_seconds": [e["seconds"] for e in epochs],
         "images_per_second": images_per_second,
         "decode_seconds": decode_seconds,
         "eval_seconds": eval_seconds,

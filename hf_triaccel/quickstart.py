@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -122,6 +122,73 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def train_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: GPUBatchLoader,
+    *,
+    total_steps: int,
+    lr: float,
+    bf16: bool,
+    label_smoothing: float = 0.0,
+    log: Callable[[str], None] | None = None,
+) -> tuple[int, list[dict[str, float]]]:
+    """Trains ``total_steps`` steps under a one-cycle schedule peaking at ``lr``.
+
+    Loss and accuracy sums stay on the device; the one read-back per epoch also makes
+    each epoch's ``seconds`` cover all of its device work.
+
+    Returns:
+        The steps taken and, per epoch, ``train_loss``, ``train_accuracy``, ``samples``
+        and ``seconds``.
+    """
+    # AdaFisher has no Adam-style betas to cycle; keep momentum fixed for every optimizer
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=lr, total_steps=total_steps, cycle_momentum=False
+    )
+    device = loader.data.device
+    log = log or tqdm.write
+    epochs: list[dict[str, float]] = []
+    step = 0
+    progress = tqdm(total=total_steps, desc="training", unit="step")
+    for epoch in range(math.ceil(total_steps / len(loader))):
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        seen = 0
+        for images, labels in loader:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(images)
+                loss = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            loss_sum += loss.detach() * len(labels)
+            correct += (logits.argmax(dim=1) == labels).sum()
+            seen += len(labels)
+            step += 1
+            progress.update()
+            if step == total_steps:
+                break
+        epochs.append(
+            {
+                "epoch": epoch + 1,
+                "train_loss": loss_sum.item() / seen,
+                "train_accuracy": correct.item() / seen,
+                "samples": seen,
+                "seconds": time.perf_counter() - start,
+            }
+        )
+        log(
+            f"epoch {epoch + 1}: train loss {epochs[-1]['train_loss']:.4f}, "
+            f"train accuracy {100 * epochs[-1]['train_accuracy']:.2f}%, "
+            f"{epochs[-1]['seconds']:.1f} s"
+        )
+    progress.close()
+    return step, epochs
+
+
 def train(
     args: argparse.Namespace, train_data: ImageTensors, test_data: ImageTensors
 ) -> dict[str, Any]:
@@ -149,56 +216,14 @@ def train(
     total_steps = args.epochs * steps_per_epoch
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        # AdaFisher has no Adam-style betas to cycle; keep momentum fixed for every optimizer
-        optimizer,
-        max_lr=args.lr,
-        total_steps=total_steps,
-        cycle_momentum=False,
-    )
     print(
         f"resnet18_cifar, {args.optimizer} (lr {args.lr:g}, weight decay {args.weight_decay:g}), "
         f"{len(train_data)} training images, batch {args.batch_size}, {total_steps} steps, "
         f"{device}{', bf16' if args.bf16 else ''}"
     )
-    epochs = []
-    step = 0
-    progress = tqdm(total=total_steps, desc="training", unit="step")
-    for epoch in range(math.ceil(total_steps / steps_per_epoch)):
-        start = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), dtype=torch.long, device=device)
-        seen = 0
-        for images, labels in train_loader:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            # sums stay on the device: no host sync per step
-            loss_sum += loss.detach() * len(labels)
-            correct += (logits.argmax(dim=1) == labels).sum()
-            seen += len(labels)
-            step += 1
-            progress.update()
-            if step == total_steps:
-                break
-        epochs.append(
-            {
-                "epoch": epoch + 1,
-                "train_loss": loss_sum.item() / seen,
-                "train_accuracy": correct.item() / seen,
-                "seconds": time.perf_counter() - start,
-            }
-        )
-        progress.write(
-            f"epoch {epoch + 1}: train loss {epochs[-1]['train_loss']:.4f}, "
-            f"train accuracy {100 * epochs[-1]['train_accuracy']:.2f}%, "
-            f"{epochs[-1]['seconds']:.1f} s"
-        )
-    progress.close()
+    step, epochs = train_loop(
+        model, optimizer, train_loader, total_steps=total_steps, lr=args.lr, bf16=args.bf16
+    )
     return {
         "steps": step,
         "epochs": epochs,
