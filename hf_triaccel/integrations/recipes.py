@@ -183,6 +183,8 @@ def recipe_defaults(recipe: Recipe) -> dict[str, Any]:
         # mean. With batch-wide counting across processes, the Trainer would expect a
         # per-process loss scaled by the process count, which the plain-model loss is not.
         "average_tokens_across_devices": False,
+        # every parameter of these models gets a gradient: skip DDP's per-step graph search
+        "ddp_find_unused_parameters": False,
     }
 
 

@@ -56,6 +56,14 @@ class TriAccelArguments(TrainingArguments):
             "or any name transformers' `optim` accepts (e.g. adamw_torch_fused)."
         },
     )
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave nan/inf losses out of the logged loss. Off by default here (on in "
+            "transformers): the check reads the loss back at every step, a GPU sync that "
+            "costs throughput on small models."
+        },
+    )
     adafisher_beta: float = field(default=0.9, metadata={"help": "AdaFisher momentum."})
     adafisher_damping: float = field(
         default=1e-3, metadata={"help": "AdaFisher: lambda added to every Fisher entry."}
@@ -246,6 +254,7 @@ class TriAccelTrainer(Trainer):
                 "TriAccelArguments accepts every TrainingArguments field"
             )
         self._plain_model = model is not None and not isinstance(model, PreTrainedModel)
+        self._pixel_stats: tuple[ImageTensors, tuple] | None = None
         if self._plain_model and args.remove_unused_columns:
             # the column filter reads forward()'s signature, which says nothing useful
             # for a plain module such as timm's forward(x)
@@ -361,6 +370,7 @@ class TriAccelTrainer(Trainer):
             self._train_batch_size,
             shuffle=True,
             augment=self.args.device_data_augment,
+            drop_last=self.args.dataloader_drop_last,
         )
 
     def get_eval_dataloader(self, eval_dataset=None):
@@ -374,7 +384,11 @@ class TriAccelTrainer(Trainer):
     def _device_loader(self, data: ImageTensors, batch_size: int, **kwargs):
         """Batches built on the device, normalised with the training set's statistics."""
         stats = self.train_dataset if isinstance(self.train_dataset, ImageTensors) else data
-        mean, std = stats.channel_stats()
+        # computed once: each evaluation builds a new loader, and the statistics take a
+        # pass over every training image
+        if self._pixel_stats is None or self._pixel_stats[0] is not stats:
+            self._pixel_stats = (stats, stats.channel_stats())
+        mean, std = self._pixel_stats[1]
         return DeviceImageDataLoader(
             data,
             batch_size,

@@ -44,15 +44,21 @@ class _PlannedImages(Dataset):
     def __getitem__(self, slot: int):
         return self.__getitems__([slot])
 
-    def __getitems__(self, slots: list[int]) -> dict[str, torch.Tensor]:
+    def __getitems__(self, slots: range | list[int]) -> dict[str, torch.Tensor]:
         if self.state.plan is None:
             self.state.set_epoch(0)
-        index = torch.as_tensor(slots, device=self.state.loader.data.device)
+        device = self.state.loader.data.device
+        if isinstance(slots, range):
+            # built on the device: copying a Python list from pageable host memory would
+            # make the host wait for the GPU at every batch
+            index = torch.arange(slots.start, slots.stop, slots.step, device=device)
+        else:
+            index = torch.as_tensor(slots, device=device)
         images, labels = self.state.loader.gather(self.state.plan, index)
         return {"pixel_values": images, "labels": labels}
 
 
-class _ShardedBatches(Sampler[list[int]]):
+class _ShardedBatches(Sampler[range]):
     """This process's batches of epoch positions: rank r takes every world-th position,
     the tail that does not divide evenly is dropped so that ranks stay in step."""
 
@@ -68,8 +74,8 @@ class _ShardedBatches(Sampler[list[int]]):
             return self.per_rank // self.batch_size
         return -(-self.per_rank // self.batch_size)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        slots = list(range(self.rank, self.per_rank * self.world, self.world))
+    def __iter__(self) -> Iterator[range]:
+        slots = range(self.rank, self.per_rank * self.world, self.world)
         for b in range(len(self)):
             yield slots[b * self.batch_size : (b + 1) * self.batch_size]
 
