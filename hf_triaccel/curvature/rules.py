@@ -502,10 +502,11 @@ def _gather_taps(plan: _ConvPlan, dst: torch.Tensor) -> None:
     nd = len(plan.spatial)
     letters, taps = "xyz"[:nd], "ijk"[:nd]
     spec = f"c{letters}," + ",".join(f"{t}{s}" for t, s in zip(taps, letters, strict=True))
-    per_position = plan.by_channel.view(-1, *plan.spatial)
+    per_position = plan.by_channel.reshape(-1, *plan.spatial)
     with torch.autocast(dst.device.type, enabled=False):
         gathered = torch.einsum(f"{spec}->c{taps}", per_position, *plan.selectors)
-    dst.copy_(gathered.view(dst.shape))
+    # einsum's result may come back permuted (on CUDA it does): view the destination instead
+    dst.view(gathered.shape).copy_(gathered)
 
 
 class ConvRule(_BuiltinRule):

@@ -291,6 +291,23 @@ def test_conv_a_gathers_taps_per_dim_past_the_selector_size(monkeypatch):
     close(rule_for(conv).a_stat(conv, xl, "reference"), expected)
 
 
+def test_conv_a_per_dim_gather_takes_a_permuted_einsum_result(monkeypatch):
+    """einsum may return its result in a permuted memory order (CUDA does for the
+    ViT patch embedding); the gathered statistic must not depend on it."""
+    from hf_triaccel.curvature import rules
+
+    def permuted_einsum(*args):
+        out = torch.functional.einsum(*args)
+        return out.transpose(0, -1).contiguous().transpose(0, -1)
+
+    torch.manual_seed(19)
+    conv = nn.Conv2d(3, 8, 4, stride=4, bias=True)
+    x = torch.randn(2, 3, 16, 16)
+    monkeypatch.setattr(rules, "_MAX_SELECTOR_ELEMENTS", 0)
+    monkeypatch.setattr(rules.torch, "einsum", permuted_einsum)
+    close(rule_for(conv).a_stat(conv, x, "reference"), conv_oracle(conv, x))
+
+
 def test_fast_path_reuses_its_cache_and_leaves_the_last_entry():
     """a_write / g_add: the statistic into a given buffer, the bias entry returned, the
     gradient statistic written then accumulated; a second call reuses the cached plan."""
