@@ -321,7 +321,8 @@ class ElasticBatchController:
         self._checkpointing = False
         # (size, bytes available) of the last OOM: that size is not proposed again
         # until more memory is available than then
-        self._oom: tuple[int, int] | None = None
+        # (failed size, available, allocated) at the last OOM
+        self._oom: tuple[int, int, int] | None = None
         self._stats_rollback: tuple[nn.Module, RunningStatsRollback] | None = None
 
     # -- what the rest of the run reads -------------------------------------------------
@@ -372,9 +373,18 @@ class ElasticBatchController:
         if self._slope:
             room = self.target_fraction * snapshot.available - self._base
             limit = min(limit, math.floor(room / self._slope))
-        if self._oom is not None and snapshot.available <= self._oom[1]:
+        if self._oom is not None and not self._memory_returned(snapshot):
             limit = min(limit, self._oom[0] - 1)
         return self._balanced(max(self.min_micro_batch, limit))
+
+    def _memory_returned(self, snapshot: MemorySnapshot) -> bool:
+        """Whether there is more room than at the last OOM: more available to the process
+        (another process let go), or less held by it (a tensor of its own was freed, which
+        under a budget never shows as more available). A margin of one smallest piece
+        keeps allocator noise from re-trying the size that failed."""
+        _, available, allocated = self._oom
+        margin = (self._slope or 0.0) * self.min_micro_batch
+        return snapshot.available > available or snapshot.allocated + margin < allocated
 
     def _probe_plan(self, n: int) -> list[int]:
         """Sizes of the measuring pieces: a warm-up ``p`` (allocates the gradients and
@@ -607,7 +617,7 @@ class ElasticBatchController:
         self.probe.release()
         snapshot = self.probe.snapshot()
         if snapshot is not None:
-            self._oom = (progress.size, snapshot.available)
+            self._oom = (progress.size, snapshot.available, snapshot.allocated)
             if self._slope is not None:
                 # the failed size did not fit in what was available: the intercept is
                 # at least that much, whatever the earlier measurements said

@@ -433,6 +433,25 @@ def test_failed_size_is_not_proposed_again_until_memory_returns():
     assert ctrl.micro_batch == 64 and ctrl.events[-1].reason == "grow" and device.ooms == 1
 
 
+def test_grows_back_when_a_tensor_of_its_own_is_freed_under_a_budget():
+    """Under a budget, memory freed by this process never shows as more available: the
+    failed size comes back once the process holds less than at the OOM."""
+    device = FakeDevice(capacity=1000.0, base=100.0, slope=10.0)
+    ctrl, step = _probe_run(device, check_every=1, grow_after=3)
+    step()
+    assert ctrl.micro_batch == 64
+    device.base += 300.0  # a tensor of this process: allocated and in every peak
+    step()
+    assert ctrl.events[-1].reason == "oom" and ctrl.micro_batch == 32
+    for _ in range(5):
+        step()
+    assert ctrl.micro_batch == 32 and device.ooms == 1
+    device.base -= 300.0
+    for _ in range(5):
+        step()
+    assert ctrl.micro_batch == 64 and ctrl.events[-1].reason == "grow" and device.ooms == 1
+
+
 # -- state -----------------------------------------------------------------------------
 
 
