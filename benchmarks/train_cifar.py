@@ -1,10 +1,21 @@
-"""CIFAR-10 accuracy and training time of one optimizer: timm ``resnet18_cifar``, batch 512.
+r"""CIFAR-10 accuracy and training time of one optimizer: timm ``resnet18_cifar``, batch 512.
 
 The acceptance comparison: run it once per optimizer, on the same GPU, and compare the
-JSON lines. Every run trains under bf16 autocast with a one-cycle learning-rate schedule
-and label smoothing 0.1, from data decoded once and kept on the GPU
+JSON lines. Every run trains with a one-cycle learning-rate schedule and label smoothing
+0.1, from data decoded once and kept on the GPU
 (:class:`~hf_triaccel.data.images.GPUBatchLoader`: random crop with 4-pixel zero padding
-and horizontal flip, done per batch on the GPU).
+and horizontal flip, done per batch on the GPU), in the compute precision ``--precision``
+chooses; the test pass runs in the same precision:
+
+- ``bf16`` (default): the whole model under bf16 autocast;
+- ``fp32``: no autocast. TF32 is left as torch sets it (by default off for matmuls, on
+  for cuDNN convolutions, so most of a ResNet computes in TF32); the record says which;
+- ``adaptive``: bf16 autocast with per-module precision from
+  :class:`~hf_triaccel.precision.PrecisionController`, built as ``TriAccelTrainer`` builds
+  it: normalisation layers in fp32 from the start; every 200 steps (``--signals_every``)
+  the other modules are ranked by sensitivity, the most sensitive quarter computing in
+  fp32 and the rest in bf16. It needs AdaFisher or AdaFisherW, whose Fisher factors the
+  signals come from.
 
 Reported, as one JSON line on stdout (and in ``--out FILE``):
 
@@ -14,7 +25,13 @@ Reported, as one JSON line on stdout (and in ``--out FILE``):
 - ``epoch_seconds``: per epoch (the loss is read back once per epoch); the first epoch
   includes cuDNN autotuning, so ``images_per_second`` is taken over the other epochs;
 - ``test_accuracy`` after the last epoch, ``peak_memory_gib`` of the whole run
-  (``torch.cuda.max_memory_allocated``, the data set on the GPU included).
+  (``torch.cuda.max_memory_allocated``, the data set on the GPU included);
+- ``precision``, ``tf32_matmul`` and ``tf32_cudnn`` (torch's TF32 flags during the run);
+- ``adaptive_precision`` (``None`` for bf16 and fp32): the number of modules per precision
+  at the end (``counts``), the number of logged precision changes (``changes``, the
+  initial assignments included) and their count per reason, the number of rankings, the
+  final decision per module, the policy, and the path of the precision map
+  (``--precision_map FILE.png``: each module's precision over the training steps).
 
 Default hyperparameters per optimizer (``--lr`` / ``--weight_decay`` override them):
 AdamW (fused) lr 3e-3, weight decay 0.05; AdaFisher lr 3e-3 and AdaFisherW lr 1e-2, both
@@ -25,6 +42,17 @@ Usage:
     python benchmarks/train_cifar.py --data /path/to/cifar10 --optimizer adamw --out adamw.json
     python benchmarks/train_cifar.py --data /path/to/cifar10 --optimizer adafisherw
     python benchmarks/train_cifar.py --epochs 2 --optimizer adafisher   # embedded slice
+
+The precision comparison, three seeds of each precision on one GPU (the precisions
+interleaved, so that a drift of the GPU's speed does not favour one of them)::
+
+    for seed in 0 1 2; do
+      for precision in bf16 fp32 adaptive; do
+        python benchmarks/train_cifar.py --data /path/to/cifar10 --optimizer adafisher \
+            --precision $precision --seed $seed --out precision/$precision-$seed.json \
+            $([ $precision = adaptive ] && echo --precision_map precision/map-$seed.png)
+      done
+    done
 """
 
 from __future__ import annotations
@@ -33,6 +61,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
@@ -40,12 +69,16 @@ from typing import Any
 
 import torch
 
+from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.data.images import GPUBatchLoader, load_image_dataset
 from hf_triaccel.integrations.timm_models import create_cifar_model
+from hf_triaccel.precision import PRECISIONS, PrecisionController, plot_precision_map
 from hf_triaccel.quickstart import (
     DEFAULT_HYPERPARAMETERS,
     OPTIMIZERS,
+    PRECISION_MODES,
     build_optimizer,
+    build_precision,
     evaluate,
     train_loop,
 )
@@ -60,6 +93,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="folder with train.parquet and test.parquet (Hub layout), or 'embedded'",
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adafisherw")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISION_MODES,
+        default="bf16",
+        help="bf16 autocast, fp32 (no autocast), or adaptive per-module precision",
+    )
+    parser.add_argument(
+        "--precision_map",
+        type=Path,
+        default=None,
+        help="write the adaptive precision map over training steps to this PNG",
+    )
+    parser.add_argument(
+        "--signals_every",
+        type=int,
+        default=None,
+        help="adaptive precision: optimizer steps between two rankings (default 200)",
+    )
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch_size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
@@ -80,6 +131,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     args = parser.parse_args(argv)
+    if args.precision_map is not None and args.precision != "adaptive":
+        parser.error("--precision_map needs --precision adaptive")
     default_lr, default_wd = DEFAULT_HYPERPARAMETERS[args.optimizer]
     args.lr = default_lr if args.lr is None else args.lr
     args.weight_decay = default_wd if args.weight_decay is None else args.weight_decay
@@ -91,6 +144,31 @@ def synchronize(device: torch.device) -> None:
     """Waits for queued GPU work (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def adaptive_record(
+    controllers: tuple[SignalTracker, PrecisionController] | None, precision_map: Path | None
+) -> dict[str, Any] | None:
+    """The ``adaptive_precision`` field of the record (``None`` for a static precision)."""
+    if controllers is None:
+        return None
+    signals, controller = controllers
+    counts = controller.counts()
+    return {
+        "counts": {p: counts[f"precision_{p}"] for p in PRECISIONS},
+        "changes": counts["precision_changes"],
+        "changes_by_reason": dict(Counter(e.reason for e in controller.events)),
+        "rankings": controller.evaluations,
+        "decisions": dict(controller.decisions),
+        "policy": {
+            "signals_every": signals.every,
+            "fp32_fraction": controller.policy.fp32_fraction,
+            "fp16_fraction": controller.policy.fp16_fraction,
+            "margin": controller.policy.margin,
+            "patience": controller.policy.patience,
+        },
+        "map": None if precision_map is None else str(precision_map),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,6 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(args.optimizer, model, args.lr, args.weight_decay, impl=args.impl)
+    controllers = build_precision(args.precision, model, optimizer, args.signals_every)
     total_steps = args.epochs * len(train_loader)
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
@@ -132,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         train_loader,
         total_steps=total_steps,
         lr=args.lr,
-        bf16=cuda,
+        precision=args.precision,
         label_smoothing=args.label_smoothing,
         log=lambda line: print(line, file=sys.stderr),
     )
@@ -140,14 +219,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     train_seconds = time.perf_counter() - train_start
 
     eval_start = time.perf_counter()
-    test_accuracy = evaluate(model, test_loader, bf16=cuda)
+    test_accuracy = evaluate(model, test_loader, args.precision)
     eval_seconds = time.perf_counter() - eval_start
+    if args.precision_map is not None:  # parse_args allows it for adaptive runs only
+        args.precision_map.parent.mkdir(parents=True, exist_ok=True)
+        plot_precision_map(controllers[1].events, args.precision_map, last_step=step)
 
     # the first epoch carries cuDNN autotuning and warm-up: leave it out when there are more
     timed = epochs[1:] if len(epochs) > 1 else epochs
     images_per_second = sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed)
     return {
         "optimizer": args.optimizer,
+        "precision": args.precision,
         "model": args.model,
         "lr": args.lr,
         "weight_decay": args.weight_decay,
@@ -170,6 +253,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_seconds": decode_seconds,
         "eval_seconds": eval_seconds,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "adaptive_precision": adaptive_record(controllers, args.precision_map),
+        # fp32 matmuls and convolutions run in TF32 where these are on (torch's defaults
+        # are left as they are: off for matmuls, on for cuDNN convolutions)
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
         "device": torch.cuda.get_device_name(device) if cuda else str(device),
         "torch": torch.__version__,
         "timm": version("timm"),

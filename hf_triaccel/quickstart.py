@@ -29,9 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.data.images import GPUBatchLoader, ImageTensors, load_image_dataset
+from hf_triaccel.integrations.plugin import TriAccelPlugin
 from hf_triaccel.integrations.timm_models import create_cifar_model
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+from hf_triaccel.precision import PrecisionController
 
 OPTIMIZERS = ("adafisherw", "adafisher", "adamw")
 # (learning rate, weight decay) per optimizer, measured on CIFAR-10 with a ResNet-18,
@@ -43,6 +46,9 @@ DEFAULT_HYPERPARAMETERS = {
     "adamw": (3e-3, 5e-2),
 }
 CPU_DEFAULT_STEPS = 50
+# compute precision of a training run: bf16 autocast, plain float32, or bf16 autocast with
+# per-module precision chosen by the PrecisionController (see precision_autocast)
+PRECISION_MODES = ("bf16", "fp32", "adaptive")
 
 
 def build_optimizer(
@@ -63,17 +69,79 @@ def build_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: GPUBatchLoader, bf16: bool) -> float:
-    """Top-1 accuracy of ``model`` over one pass of ``loader``.
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISION_MODES:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISION_MODES}")
+
+
+def precision_autocast(device: torch.device, precision: str) -> torch.autocast:
+    """The autocast region that training and evaluation steps run in under ``precision``.
+
+    ``"bf16"`` and ``"adaptive"`` run the model under bf16 autocast: the adaptive
+    controller's hooks open each decided module's own region inside it, and modules
+    without a decision follow it. ``"fp32"`` runs without autocast (TF32 stays as torch's
+    flags set it).
 
     Example:
-        >>> accuracy = evaluate(model, test_loader, bf16=False)  # doctest: +SKIP
+        >>> with precision_autocast(torch.device("cpu"), "bf16"):
+        ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.bfloat16
+    """
+    _check_precision(precision)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision != "fp32")
+
+
+def build_precision(
+    precision: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    signals_every: int | None = None,
+) -> tuple[SignalTracker, PrecisionController] | None:
+    """For ``"adaptive"``, the signal tracker and precision controller of ``model``, built
+    the way ``TriAccelTrainer`` builds them (:meth:`TriAccelPlugin.build_precision` under
+    bf16 mixed precision: no fp16 modules); ``None`` for the static precisions.
+
+    Args:
+        precision: one of :data:`PRECISION_MODES`.
+        model: the model the optimizer's Fisher collector was built on.
+        optimizer: AdaFisher or AdaFisherW.
+        signals_every: optimizer steps between two rankings (default: the plugin's).
+
+    Raises:
+        ValueError: ``"adaptive"`` with an optimizer other than AdaFisher / AdaFisherW,
+            whose Fisher factors the per-module signals are read from.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+        >>> optimizer = build_optimizer("adafisherw", model, lr=1e-3, weight_decay=0.0)
+        >>> signals, controller = build_precision("adaptive", model, optimizer)
+        >>> controller.decisions
+        {'1': 'fp32'}
+    """
+    _check_precision(precision)
+    if precision != "adaptive":
+        return None
+    if not isinstance(optimizer, AdaFisher):
+        raise ValueError(
+            "adaptive precision needs optimizer adafisher or adafisherw: its per-module "
+            f"signals come from their Fisher factors, got {type(optimizer).__name__}"
+        )
+    plugin = TriAccelPlugin(precision=True, signals_every=signals_every)
+    return plugin.build_precision(model, optimizer, fp16=False)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: GPUBatchLoader, precision: str) -> float:
+    """Top-1 accuracy of ``model`` over one pass of ``loader``, computed in ``precision``
+    (one of :data:`PRECISION_MODES`, as in training; adaptive precision's hooks stay on).
+
+    Example:
+        >>> accuracy = evaluate(model, test_loader, "fp32")  # doctest: +SKIP
     """
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=loader.data.device)
     for images, labels in loader:
-        with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=bf16):
+        with precision_autocast(images.device, precision):
             correct += (model(images).argmax(dim=1) == labels).sum()
     model.train()
     return correct.item() / len(loader.data)
@@ -129,11 +197,13 @@ def train_loop(
     *,
     total_steps: int,
     lr: float,
-    bf16: bool,
+    precision: str,
     label_smoothing: float = 0.0,
     log: Callable[[str], None] | None = None,
 ) -> tuple[int, list[dict[str, float]]]:
-    """Trains ``total_steps`` steps under a one-cycle schedule peaking at ``lr``.
+    """Trains ``total_steps`` steps under a one-cycle schedule peaking at ``lr``, computing
+    in ``precision`` (one of :data:`PRECISION_MODES`; for ``"adaptive"``,
+    :func:`build_precision` has hooked the model and the optimizer).
 
     Loss and accuracy sums stay on the device; the one read-back per epoch also makes
     each epoch's ``seconds`` cover all of its device work.
@@ -157,7 +227,7 @@ def train_loop(
         correct = torch.zeros((), dtype=torch.long, device=device)
         seen = 0
         for images, labels in loader:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with precision_autocast(device, precision):
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
             loss.backward()
@@ -221,13 +291,14 @@ def train(
         f"{len(train_data)} training images, batch {args.batch_size}, {total_steps} steps, "
         f"{device}{', bf16' if args.bf16 else ''}"
     )
+    precision = "bf16" if args.bf16 else "fp32"
     step, epochs = train_loop(
-        model, optimizer, train_loader, total_steps=total_steps, lr=args.lr, bf16=args.bf16
+        model, optimizer, train_loader, total_steps=total_steps, lr=args.lr, precision=precision
     )
     return {
         "steps": step,
         "epochs": epochs,
-        "test_accuracy": evaluate(model, test_loader, args.bf16),
+        "test_accuracy": evaluate(model, test_loader, precision),
     }
 
 

@@ -11,8 +11,10 @@ from hf_triaccel.quickstart import (
     CPU_DEFAULT_STEPS,
     DEFAULT_HYPERPARAMETERS,
     build_optimizer,
+    build_precision,
     main,
     parse_args,
+    precision_autocast,
 )
 
 
@@ -39,6 +41,33 @@ def test_build_optimizer(name, cls):
     optimizer.step()
     with pytest.raises(ValueError, match="unknown optimizer"):
         build_optimizer("sgd", model, lr=1e-3, weight_decay=0.0)
+
+
+@pytest.mark.parametrize(
+    ("precision", "autocast"), [("bf16", True), ("fp32", False), ("adaptive", True)]
+)
+def test_precision_autocast(precision, autocast):
+    with precision_autocast(torch.device("cpu"), precision):
+        assert torch.is_autocast_enabled("cpu") is autocast
+        assert not autocast or torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown precision"):
+        precision_autocast(torch.device("cpu"), "fp16")
+
+
+def test_build_precision_only_for_adaptive_and_adafisher():
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    adafisher = build_optimizer("adafisherw", model, lr=1e-3, weight_decay=0.0)
+    assert build_precision("bf16", model, adafisher) is None
+    assert build_precision("fp32", model, adafisher) is None
+    signals, controller = build_precision("adaptive", model, adafisher, signals_every=7)
+    assert signals.every == 7 and controller.tracker is signals
+    assert controller.decisions == {"1": "fp32"}
+    assert controller.policy.fp16_fraction == 0.0
+    controller.remove()
+    signals.remove()
+    adamw = build_optimizer("adamw", model, lr=1e-3, weight_decay=0.0)
+    with pytest.raises(ValueError, match="needs optimizer adafisher or adafisherw"):
+        build_precision("adaptive", model, adamw)
 
 
 def test_two_steps_report_a_test_accuracy(capsys):

@@ -4,15 +4,23 @@ The pre-hook opens a ``torch.autocast`` region for the module's forward and the 
 closes it, so the innermost decision wins: a bf16 module inside an fp32 parent computes
 in bf16, and the parent's own operations stay fp32. fp32 disables autocast (CPU and CUDA
 autocast take half-precision dtypes only) and casts half-precision floating inputs to
-float32; the parameters are float32, as under autocast mixed precision. The post-hook is
-registered with ``always_call=True`` so that the region is closed even when the forward
-raises.
+float32; the parameters are float32, as under autocast mixed precision. BatchNorm layers
+are the exception: their kernels take half-precision inputs with float32 parameters and
+compute the statistics, the normalisation and the running averages in float32, so their
+inputs are left as they are and their outputs keep the input's dtype (only the output is
+rounded). Casting up would add a float32 copy of the input and a float32 output per layer
+and step, which the next layer's autocast mostly casts back: on a CIFAR ResNet-18 under
+bf16 autocast, 2.5 times the memory plain autocast saves for the backward pass. The
+post-hook is registered with ``always_call=True`` so that the region is closed even when
+the forward raises.
 
 Outputs leave a module in the form the surrounding code expects: where autocast is off
 around the module (an fp32 parent, or training without autocast), half-precision outputs
 of a bf16/fp16 module are cast to float32, as the module would have returned them without
 its region; under a surrounding autocast they are left as they are (autocast casts them
-where needed).
+where needed). Under a surrounding autocast, an fp32 module's float32 outputs are handed
+on in autocast's dtype: the layers after it compute in half precision anyway, and a
+float32 output would make them save float32 copies for the backward pass.
 
 fp16 modules are watched for overflow without a host sync: the floating inputs and the
 outputs of each forward are summed in float32 (two reductions), and the output sum is
@@ -31,8 +39,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from hf_triaccel.precision.policy import DTYPES
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -47,22 +58,27 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _to_float32(obj: Any) -> Any:
-    """``obj`` with its half-precision floating tensors cast to float32, containers
-    (named tuples, dict subclasses such as ModelOutput) keeping their type."""
+def _cast_floating(obj: Any, source: tuple[torch.dtype, ...], dtype: torch.dtype) -> Any:
+    """``obj`` with its tensors of a ``source`` dtype cast to ``dtype``, containers (named
+    tuples, dict subclasses such as ModelOutput) keeping their type."""
     if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.is_floating_point() and obj.element_size() < 4 else obj
+        return obj.to(dtype) if obj.dtype in source else obj
     if isinstance(obj, tuple):
-        items = [_to_float32(x) for x in obj]
+        items = [_cast_floating(x, source, dtype) for x in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if isinstance(obj, list):
-        return [_to_float32(x) for x in obj]
+        return [_cast_floating(x, source, dtype) for x in obj]
     if isinstance(obj, dict):
         out = copy.copy(obj)
         for key, value in obj.items():
-            out[key] = _to_float32(value)
+            out[key] = _cast_floating(value, source, dtype)
         return out
     return obj
+
+
+def _to_float32(obj: Any) -> Any:
+    """``obj`` with its half-precision floating tensors cast to float32."""
+    return _cast_floating(obj, _HALF, torch.float32)
 
 
 def _float32_sum(obj: Any) -> torch.Tensor | None:
@@ -121,6 +137,8 @@ class PrecisionHook:
             raise ValueError(f"unknown precision {precision!r}")
         self.precision = precision
         self.overflow: torch.Tensor | None = None
+        # computes in float32 from half-precision inputs by itself (see the module docstring)
+        self._mixed_input = isinstance(module, _BatchNorm)
         # per active forward: (region, device type, precision, fp16 input sum)
         self._regions: list[tuple[torch.autocast, str, str, torch.Tensor | None]] = []
         # prepended, so that a later pre-hook that raises still finds the region open
@@ -142,7 +160,7 @@ class PrecisionHook:
                 in_sum = _float32_sum((args, kwargs))
         region.__enter__()
         self._regions.append((region, device_type, precision, in_sum))
-        if precision == "fp32":
+        if precision == "fp32" and not self._mixed_input:
             return _to_float32(args), _to_float32(kwargs)
         return None
 
@@ -151,8 +169,15 @@ class PrecisionHook:
             return None
         region, device_type, precision, in_sum = self._regions.pop()
         region.__exit__(None, None, None)
-        if output is None or precision == "fp32":
+        if output is None:
             return None
+        if precision == "fp32":
+            if not torch.is_autocast_enabled(device_type):
+                return None
+            # the layers after it compute in half precision anyway: hand the output on in
+            # autocast's dtype, so that they do not save float32 copies for the backward
+            dtype = torch.get_autocast_dtype(device_type)
+            return _cast_floating(output, (torch.float32,), dtype)
         if precision == "fp16":
             self._watch(in_sum, output)
         if torch.is_autocast_enabled(device_type):

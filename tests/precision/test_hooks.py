@@ -58,12 +58,13 @@ def test_each_module_computes_in_its_decided_precision(ambient):
         # a half-precision input: the fp32 module casts it up
         out = model(torch.randn(3, 4, dtype=BF16))
     assert model[0].seen == [(F32, F32, False)]
-    assert model[1].seen == [(F32, BF16, True)]
-    # without autocast around it, a module's half-precision output is cast back to float32
+    # under autocast, an fp32 module hands its output on in autocast's dtype; without it,
+    # a module's half-precision output is cast back to float32
+    assert model[1].seen == [(ambient or F32, BF16, True)]
     assert model[2].seen == [(BF16 if ambient else F32, F16, True)]
     assert model[3].seen == [(F32, F32, False)]  # norm: fp32 despite the fp16 rule
     # the undecided module follows the surrounding autocast
-    expected_last = (F32, ambient or F32, ambient is not None)
+    expected_last = (ambient or F32, ambient or F32, ambient is not None)
     assert model[4].seen == [expected_last]
     assert out.dtype == (ambient or F32)
     assert not torch.is_autocast_enabled("cpu")  # every region was closed
@@ -136,3 +137,25 @@ def test_remove_leaves_no_hook_and_the_original_outputs():
 def test_half_precision_models_are_refused():
     with pytest.raises(ValueError, match="float32 parameters"):
         PrecisionController(nn.Linear(2, 2).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("ambient", [None, torch.bfloat16])
+def test_fp32_batchnorm_keeps_its_input_dtype_and_computes_in_float32(ambient):
+    # BatchNorm kernels take half inputs with float32 parameters and compute in float32:
+    # a float32 copy of the input would only cost memory
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, 5, dtype=BF16)
+    reference = nn.BatchNorm2d(3)
+    expected = reference(x.float())
+    bn = nn.BatchNorm2d(3)
+    PrecisionController(bn)
+    region = (
+        torch.autocast("cpu", dtype=ambient) if ambient is not None else contextlib.nullcontext()
+    )
+    with region:
+        out = bn(x)
+    assert out.dtype == BF16
+    assert bn.running_mean.dtype == F32
+    # float32 arithmetic: only the output's rounding to bf16 differs
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(bn.running_var, reference.running_var)

@@ -1,0 +1,75 @@
+"""benchmarks/train_cifar.py with ``--precision``: short CPU runs on the embedded slice.
+
+They check the record fields and the precision map, not accuracy or speed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+# resnet18_cifar: 20 BatchNorm layers (fp32 from the start), 20 convolutions and the head
+NORMS, RANKED = 20, 21
+
+
+@pytest.fixture
+def train_cifar(monkeypatch):
+    """The script's module, imported the way ``python benchmarks/train_cifar.py`` would."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    # tiny batches on a shared CPU: one thread is faster than waking a pool
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield importlib.import_module("train_cifar")
+    torch.set_num_threads(threads)
+
+
+def run(module, tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / "record.json"
+    argv = ["--device", "cpu", "--batch_size", "8", "--out", str(out), *flags]
+    record = module.main(argv)
+    assert json.loads(out.read_text()) == record
+    return record
+
+
+def test_adaptive_run_records_the_precision_map(train_cifar, tmp_path):
+    png = tmp_path / "maps" / "precision.png"
+    # gradient noise needs two samples (steps 0 and 4): the ranking at step 6 is the first,
+    # and step 7 trains with it
+    flags = ("--max_steps", "7", "--signals_every", "6", "--precision_map", str(png))
+    record = run(train_cifar, tmp_path, "--precision", "adaptive", *flags)
+    assert record["precision"] == "adaptive" and record["steps"] == 7
+    assert 0.0 <= record["test_accuracy"] <= 1.0
+    adaptive = record["adaptive_precision"]
+    counts = adaptive["counts"]
+    assert set(counts) == {"fp32", "bf16", "fp16"}
+    assert sum(counts.values()) == NORMS + RANKED == len(adaptive["decisions"])
+    assert counts["fp16"] == 0  # bf16 autocast around the model: no loss scaler, no fp16
+    # a quarter of the ranked modules in fp32, besides the normalisation layers
+    assert counts["fp32"] == NORMS + round(0.25 * RANKED)
+    assert adaptive["changes"] == NORMS + RANKED
+    assert adaptive["changes_by_reason"] == {"norm": NORMS, "initial": RANKED}
+    assert adaptive["rankings"] == 1
+    assert adaptive["policy"]["signals_every"] == 6
+    assert adaptive["map"] == str(png)
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert isinstance(record["tf32_matmul"], bool) and isinstance(record["tf32_cudnn"], bool)
+
+
+def test_fp32_run_records_the_tf32_flags(train_cifar, tmp_path):
+    record = run(train_cifar, tmp_path, "--precision", "fp32", "--max_steps", "2")
+    assert record["precision"] == "fp32" and record["steps"] == 2
+    assert record["adaptive_precision"] is None
+    assert record["tf32_matmul"] == torch.backends.cuda.matmul.allow_tf32
+    assert record["tf32_cudnn"] == torch.backends.cudnn.allow_tf32
+    assert 0.0 <= record["test_accuracy"] <= 1.0
+
+
+def test_bf16_is_the_default_and_the_map_needs_adaptive(train_cifar):
+    assert train_cifar.parse_args([]).precision == "bf16"
+    with pytest.raises(SystemExit):
+        train_cifar.parse_args(["--precision_map", "map.png"])
