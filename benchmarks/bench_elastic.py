@@ -822,6 +822,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device or "cpu") if args.smoke else resolve_device(args.device)
     budget = int(args.budget_gib * GIB)
     if device.type == "cuda" and not args.smoke:
+        if device.index is None:  # the memory-fraction calls need an indexed device
+            device = torch.device("cuda", torch.cuda.current_device())
         memory: Memory = CudaBudget(device, budget)
     else:
         memory = SimulatedMemory(budget, args.effective_batch)
