@@ -134,6 +134,10 @@ class TriAccelPlugin:
                     "damping": float,
                     "gamma": float,
                     "update_every": int,
+                    "precision": bool,
+                    "signals_every": int,
+                    "fp32_fraction": float,
+                    "fp16_fraction": float,
                 }.get(f.name, str)
                 env = _env_default(f.name, kind)
                 setattr(self, f.name, env if env is not None else self._DEFAULTS[f.name])

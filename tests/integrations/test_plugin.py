@@ -26,6 +26,17 @@ def test_environment_fallbacks_apply_only_to_unset_fields(monkeypatch):
     assert TriAccelPlugin().lr == 0.01
 
 
+def test_environment_fallbacks_take_each_field_type(monkeypatch):
+    monkeypatch.setenv("HF_TRIACCEL_PRECISION", "0")
+    monkeypatch.setenv("HF_TRIACCEL_SIGNALS_EVERY", "50")
+    monkeypatch.setenv("HF_TRIACCEL_FP32_FRACTION", "0.1")
+    monkeypatch.setenv("HF_TRIACCEL_FP16_FRACTION", "0.2")
+    plugin = TriAccelPlugin()
+    assert plugin.precision is False
+    assert plugin.signals_every == 50
+    assert (plugin.fp32_fraction, plugin.fp16_fraction) == (0.1, 0.2)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"optimizer": "sgd"}, "optimizer"), ({"ema": "x"}, "ema"), ({"impl": "fast"}, "impl")],
