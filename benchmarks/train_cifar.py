@@ -30,7 +30,8 @@ Reported, as one JSON line on stdout (and in ``--out FILE``):
 - ``adaptive_precision`` (``None`` for bf16 and fp32): the number of modules per precision
   at the end (``counts``), the number of logged precision changes (``changes``, the
   initial assignments included) and their count per reason, the number of rankings, the
-  final decision per module, the policy, and the path of the precision map
+  final decision per module, the share of the compute per precision (``compute_shares``),
+  the policy, and the path of the precision map
   (``--precision_map FILE.png``: each module's precision over the training steps).
 
 Default hyperparameters per optimizer (``--lr`` / ``--weight_decay`` override them):
@@ -160,6 +161,7 @@ def adaptive_record(
         "changes_by_reason": dict(Counter(e.reason for e in controller.events)),
         "rankings": controller.evaluations,
         "decisions": dict(controller.decisions),
+        "compute_shares": controller.compute_shares(),
         "policy": {
             "signals_every": signals.every,
             "fp32_fraction": controller.policy.fp32_fraction,

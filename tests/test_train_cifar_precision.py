@@ -49,8 +49,11 @@ def test_adaptive_run_records_the_precision_map(train_cifar, tmp_path):
     assert set(counts) == {"fp32", "bf16", "fp16"}
     assert sum(counts.values()) == NORMS + RANKED == len(adaptive["decisions"])
     assert counts["fp16"] == 0  # bf16 autocast around the model: no loss scaler, no fp16
-    # a quarter of the ranked modules in fp32, besides the normalisation layers
-    assert counts["fp32"] == NORMS + round(0.25 * RANKED)
+    # fp32, besides the normalisation layers, for about fp32_fraction of the compute: a
+    # few cheap modules, none of the 3x3 block convolutions (each 3.4% or 6.8% of it)
+    shares = adaptive["compute_shares"]
+    assert NORMS < counts["fp32"] < NORMS + RANKED
+    assert 0.0 < shares["fp32"] < 0.03 and sum(shares.values()) == pytest.approx(1.0)
     assert adaptive["changes"] == NORMS + RANKED
     assert adaptive["changes_by_reason"] == {"norm": NORMS, "initial": RANKED}
     assert adaptive["rankings"] == 1

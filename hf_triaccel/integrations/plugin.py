@@ -98,12 +98,15 @@ class TriAccelPlugin:
     )
     fp32_fraction: float | None = field(
         default=None,
-        metadata={"help": "Share of the most sensitive modules kept in fp32 (default 0.25)."},
+        metadata={
+            "help": "Share of the compute kept in fp32, given to the modules most sensitive "
+            "per multiply-add (default 0.03)."
+        },
     )
     fp16_fraction: float | None = field(
         default=None,
         metadata={
-            "help": "Share of the least sensitive modules run in fp16 (default 0.25 under "
+            "help": "Share of the compute run in fp16, least sensitive first (default 0.25 under "
             "fp16 mixed precision, where a loss scaler exists, else 0)."
         },
     )
@@ -120,7 +123,7 @@ class TriAccelPlugin:
         "impl": None,
         "precision": False,
         "signals_every": 200,
-        "fp32_fraction": 0.25,
+        "fp32_fraction": PrecisionPolicy.fp32_fraction,
         "fp16_fraction": None,
     }
 

@@ -27,7 +27,7 @@ from hf_triaccel.integrations.elastic import TrainerElasticBatch
 from hf_triaccel.integrations.plugin import OPTIMIZERS, TriAccelPlugin, check_distributed_support
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
 from hf_triaccel.integrations.trainer_data import DeviceImageDataLoader
-from hf_triaccel.precision import PrecisionController, plot_precision_map
+from hf_triaccel.precision import PrecisionController, PrecisionPolicy, plot_precision_map
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +98,16 @@ class TriAccelArguments(TrainingArguments):
         metadata={"help": "Re-evaluate signals and precision every N optimizer steps."},
     )
     triaccel_fp32_fraction: float = field(
-        default=0.25, metadata={"help": "Share of the most sensitive modules kept in fp32."}
+        default=PrecisionPolicy.fp32_fraction,
+        metadata={
+            "help": "Share of the compute kept in fp32, given to the modules most sensitive "
+            "per multiply-add."
+        },
     )
     triaccel_fp16_fraction: float | None = field(
         default=None,
         metadata={
-            "help": "Share of the least sensitive modules run in fp16 (default 0.25 with "
+            "help": "Share of the compute run in fp16, least sensitive first (default 0.25 with "
             "--fp16, where a loss scaler exists, else 0)."
         },
     )

@@ -14,6 +14,7 @@ every ``poll_every`` optimizer steps (one host sync each time). Every change is 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Mapping
@@ -25,8 +26,26 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_triaccel.curvature.signals import ModuleSignals, SignalTracker
-from hf_triaccel.precision.hooks import PrecisionHook
+from hf_triaccel.precision.hooks import PrecisionHook, _tensors
 from hf_triaccel.precision.policy import PRECISIONS, PrecisionPolicy
+
+
+def _has_weight(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _macs_per_output(module: nn.Module, out: torch.Tensor) -> float:
+    """Multiply-adds per output element: the weight's size over the output channels
+    (Linear, ConvNd, transformers' Conv1D); 1 for lookups and elementwise weights."""
+    weight = module.weight
+    if weight.dim() < 2 or isinstance(module, nn.Embedding):
+        return 1.0
+    channels = (
+        getattr(module, "out_channels", None)
+        or getattr(module, "out_features", None)
+        or out.shape[-1]
+    )
+    return weight.numel() / channels
 
 
 @dataclass(frozen=True)
@@ -112,12 +131,25 @@ class PrecisionController:
         for rule in self.policy.rules:
             if not any(rule.matches(n, m) for n, m in self._modules.items()):
                 warnings.warn(f"precision rule {rule.match!r} matches no module", stacklevel=2)
+        # compute per forward of each rankable module, measured once on its first forward
+        self.costs: dict[str, float] = {}
+        self._cost_hooks = {
+            name: module.register_forward_hook(functools.partial(self._measure_cost, name))
+            for name, module in self._modules.items()
+            if name not in self._fixed and _has_weight(module)
+        }
         self.tracker = tracker
         self._listener = None if tracker is None else tracker.add_listener(self._on_step)
         self._removed = False
         self._apply_fixed(tracker.steps if tracker is not None else 0)
 
     # ------------------------------------------------------------------ decisions
+
+    def _measure_cost(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        out = output if isinstance(output, torch.Tensor) else next(_tensors(output), None)
+        if out is not None:
+            self.costs[name] = out.numel() * _macs_per_output(module, out)
+        self._cost_hooks.pop(name).remove()
 
     def _set(self, name: str, precision: str, step: int, reason: str) -> None:
         """Changes one module's precision and logs the change."""
@@ -168,17 +200,23 @@ class PrecisionController:
             )
         self.check_overflow(step)
         self.evaluations += 1
-        ranked = sorted(
-            (
-                (-s, name)
-                for name, s in sensitivity.items()
-                if name not in self._fixed and math.isfinite(s)
-            ),
-        )
-        n = len(ranked)
-        for rank, (_, name) in enumerate(ranked):
+        candidates = {
+            name: s
+            for name, s in sensitivity.items()
+            if name not in self._fixed and math.isfinite(s)
+        }
+        costs = {name: self.costs.get(name, 0.0) for name in candidates}
+        if not all(c > 0 for c in costs.values()):  # not all measured yet: count modules
+            costs = dict.fromkeys(candidates, 1.0)
+        # most sensitive per unit of compute first: a cheap module is protected cheaply
+        ranked = sorted(candidates, key=lambda name: (-candidates[name] / costs[name], name))
+        total = sum(costs.values())
+        before = 0.0
+        for name in ranked:
+            q = (before + costs[name] / 2) / total  # share of the compute up to its middle
+            before += costs[name]
             current = self.decisions.get(name)
-            proposal = self._floor(name, self.policy.propose((rank + 0.5) / n, current))
+            proposal = self._floor(name, self.policy.propose(q, current))
             if current is None:
                 self._set(name, proposal, step, "initial")
                 continue
@@ -257,6 +295,24 @@ class PrecisionController:
         out["precision_changes"] = len(self.events)
         return out
 
+    def compute_shares(self) -> dict[str, float]:
+        """Share of the measured compute (the ranked modules' multiply-adds) per
+        precision; ``"autocast"`` for modules that follow the surrounding autocast.
+
+        Example:
+            >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 12))
+            >>> controller = PrecisionController(model, PrecisionPolicy(fp16_fraction=0.0))
+            >>> _ = model(torch.randn(1, 4))
+            >>> controller.compute_shares()
+            {'autocast': 1.0}
+        """
+        total = sum(self.costs.values())
+        shares: dict[str, float] = {}
+        for name, cost in self.costs.items():
+            key = self.decisions.get(name, "autocast")
+            shares[key] = shares.get(key, 0.0) + cost / total
+        return shares
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -311,9 +367,10 @@ class PrecisionController:
         """Removes every hook and stops following the tracker; decisions stay readable.
         A removed controller makes no further decisions."""
         self._removed = True
-        for hook in self._hooks.values():
-            hook.remove()
+        for handle in [*self._hooks.values(), *self._cost_hooks.values()]:
+            handle.remove()
         self._hooks.clear()
+        self._cost_hooks.clear()
         if self._listener is not None:
             self._listener.remove()
             self._listener = None

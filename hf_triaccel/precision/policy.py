@@ -109,9 +109,13 @@ class PrecisionRule:
 class PrecisionPolicy:
     """How the controller chooses each module's compute precision.
 
-    Modules are ranked by sensitivity, most sensitive first; a module's rank fraction is
-    ``q = (rank + 0.5) / n`` among the ``n`` ranked modules. The first ``fp32_fraction``
-    compute in fp32, the last ``fp16_fraction`` in fp16, the rest in bf16.
+    Modules are ranked by sensitivity per unit of compute (multiply-adds per forward,
+    measured by the controller), most first: a cheap module is protected cheaply. A
+    module's place ``q`` is the share of the ranked modules' compute that comes before its
+    middle (with equal costs, ``(rank + 0.5) / n``). Modules with ``q < fp32_fraction``
+    compute in fp32, those with ``q > 1 - fp16_fraction`` in fp16, the rest in bf16: the
+    fractions are shares of the compute, so they bound what the choice costs in time and
+    memory.
 
     Hysteresis, two guards that both must pass before a module changes: its ``q`` must
     cross the boundary of its current band by ``margin`` (a module in bf16 moves to fp32
@@ -124,10 +128,11 @@ class PrecisionPolicy:
         rules: :class:`PrecisionRule` objects or ``(match, precision)`` pairs; the first
             matching rule wins over the automatic choice (normalisation layers stay fp32
             whatever the rules say).
-        fp32_fraction: share of ranked modules computing in fp32.
-        fp16_fraction: share of ranked modules computing in fp16 (0 disables fp16; fp16
+        fp32_fraction: share of the compute in fp32 (default 0.03: a step costs about
+            what it costs in bf16; fp32 convolutions also take larger cuDNN workspaces).
+        fp16_fraction: share of the compute in fp16 (0 disables fp16; fp16
             regions need a loss scaler, as in any fp16 training).
-        margin: hysteresis margin, in rank fraction.
+        margin: hysteresis margin, in share of the compute.
         patience: consecutive evaluations a change must be proposed at before it is made.
 
     Example:
@@ -137,9 +142,9 @@ class PrecisionPolicy:
     """
 
     rules: Sequence[PrecisionRule | tuple] = field(default_factory=tuple)
-    fp32_fraction: float = 0.25
+    fp32_fraction: float = 0.03
     fp16_fraction: float = 0.25
-    margin: float = 0.05
+    margin: float = 0.01
     patience: int = 2
 
     def __post_init__(self) -> None:
@@ -173,13 +178,13 @@ class PrecisionPolicy:
         return None
 
     def _band(self, q: float) -> int:
-        """Index into :data:`PRECISIONS` of the band containing rank fraction ``q``."""
+        """Index into :data:`PRECISIONS` of the band containing ``q``."""
         if q < self.fp32_fraction:
             return 0
         return 2 if q > 1.0 - self.fp16_fraction else 1
 
     def propose(self, q: float, current: str | None) -> str:
-        """The precision for a module at rank fraction ``q`` now at ``current`` (``None``:
+        """The precision for a module at place ``q`` now at ``current`` (``None``:
         no automatic choice yet), with the margin applied (not the patience).
 
         Example:

@@ -21,13 +21,17 @@ def four_linears() -> nn.Sequential:
     return nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
 
 
+# the fractions these tests were written for: a quarter of four equal modules each
+QUARTERS = PrecisionPolicy(fp32_fraction=0.25, fp16_fraction=0.25, margin=0.05)
+
+
 def ranked(order: str) -> dict[str, float]:
     """Sensitivities that rank the modules named by ``order``'s characters first to last."""
     return {name: float(len(order) - i) for i, name in enumerate(order)}
 
 
 def test_ranking_assigns_fp32_bf16_fp16_by_fraction():
-    controller = PrecisionController(four_linears())
+    controller = PrecisionController(four_linears(), QUARTERS)
     controller.update(ranked("2031"), step=200)
     assert controller.decisions == {"2": "fp32", "0": "bf16", "3": "bf16", "1": "fp16"}
     assert [e.reason for e in controller.events] == ["initial"] * 4
@@ -37,6 +41,32 @@ def test_ranking_assigns_fp32_bf16_fp16_by_fraction():
         "precision_fp16": 1,
         "precision_changes": 4,
     }
+
+
+def test_ranking_weighs_sensitivity_by_measured_compute():
+    """Costs come from the first forward (multiply-adds); the fractions are shares of the
+    compute, and a module sensitive per multiply-add goes first."""
+    model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 2))
+    controller = PrecisionController(
+        model, PrecisionPolicy(fp32_fraction=0.2, fp16_fraction=0.0, margin=0.0)
+    )
+    model(torch.randn(3, 8))
+    assert controller.costs == {"0": 3 * 64 * 8, "1": 3 * 64 * 64, "2": 3 * 2 * 64}
+    assert not controller._cost_hooks  # measured once, then removed
+    # "1" is the most sensitive, but it is 85% of the compute: protecting it would cost
+    # most of the step, while "2" and "0" together are 15% of it
+    controller.update({"0": 1.0, "1": 3.0, "2": 1.0}, step=200)
+    assert controller.decisions == {"2": "fp32", "0": "fp32", "1": "bf16"}
+    controller.remove()
+
+
+def test_modules_not_measured_yet_are_ranked_by_count():
+    controller = PrecisionController(four_linears(), QUARTERS)
+    assert controller.costs == {}
+    controller.update(ranked("2031"), step=200)
+    assert controller.decisions["2"] == "fp32" and controller.decisions["1"] == "fp16"
+    controller.remove()
+    assert not controller._cost_hooks
 
 
 def test_fixed_modules_are_not_ranked_and_non_finite_signals_keep_their_precision():
@@ -53,7 +83,7 @@ def test_fixed_modules_are_not_ranked_and_non_finite_signals_keep_their_precisio
 
 
 def test_alternating_borderline_signals_do_not_flap():
-    controller = PrecisionController(four_linears())
+    controller = PrecisionController(four_linears(), QUARTERS)
     controller.update(ranked("0123"), step=0)
     start = dict(controller.decisions)
     for i in range(10):  # modules 0 and 1 swap places at every evaluation
@@ -63,7 +93,7 @@ def test_alternating_borderline_signals_do_not_flap():
 
 
 def test_a_lasting_change_is_made_after_patience_evaluations():
-    controller = PrecisionController(four_linears())
+    controller = PrecisionController(four_linears(), QUARTERS)
     controller.update(ranked("0123"), step=0)
     controller.update(ranked("1023"), step=200)
     assert controller.decisions["0"] == "fp32"
@@ -178,7 +208,7 @@ def test_counts_feed_the_efficiency_telemetry():
     pytest.importorskip("transformers")
     from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
 
-    controller = PrecisionController(four_linears())
+    controller = PrecisionController(four_linears(), QUARTERS)
     controller.update(ranked("0123"), step=200)
     telemetry = EfficiencyTelemetry()
     telemetry.add_provider(controller.counts)
