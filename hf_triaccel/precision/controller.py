@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from hf_triaccel.curvature.signals import ModuleSignals, SignalTracker
 from hf_triaccel.precision.hooks import PrecisionHook, _tensors
@@ -161,6 +162,13 @@ class PrecisionController:
     def _apply(self, name: str, precision: str | None) -> None:
         """Sets one module's precision (``None``: follow the surrounding autocast)."""
         hook = self._hooks.get(name)
+        if precision == "fp32" and isinstance(self._modules[name], _BatchNorm):
+            # BatchNorm kernels take half-precision inputs with float32 parameters and
+            # compute statistics, normalisation and running averages in float32 whatever
+            # autocast says: fp32 is what they do unhooked. A hook would only add host
+            # time, or, casting the input up, a float32 copy of every BatchNorm input.
+            self.decisions[name] = precision
+            return
         if precision is None:
             del self.decisions[name]
             if hook is not None:

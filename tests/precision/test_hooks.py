@@ -148,7 +148,9 @@ def test_fp32_batchnorm_keeps_its_input_dtype_and_computes_in_float32(ambient):
     reference = nn.BatchNorm2d(3)
     expected = reference(x.float())
     bn = nn.BatchNorm2d(3)
-    PrecisionController(bn)
+    controller = PrecisionController(bn)
+    assert controller.decisions == {"": "fp32"}
+    assert not bn._forward_pre_hooks and not bn._forward_hooks  # native float32: no hook
     region = (
         torch.autocast("cpu", dtype=ambient) if ambient is not None else contextlib.nullcontext()
     )
