@@ -161,3 +161,48 @@ def test_fp32_batchnorm_keeps_its_input_dtype_and_computes_in_float32(ambient):
     # float32 arithmetic: only the output's rounding to bf16 differs
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(bn.running_var, reference.running_var)
+
+
+class _SeesBenchmark(torch.autograd.Function):
+    """Identity that records cuDNN's autotuning flag in its forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.seen = seen
+        seen.append(("forward", torch.backends.cudnn.benchmark))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen.append(("backward", torch.backends.cudnn.benchmark))
+        return grad, None
+
+
+class BenchmarkProbe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+        self.seen: list[tuple[str, bool]] = []
+
+    def forward(self, x):
+        return _SeesBenchmark.apply(x * self.weight, self.seen)
+
+
+@pytest.mark.parametrize("precision, untuned", [("fp32", True), ("bf16", False)])
+def test_cudnn_autotuning_is_off_only_around_modules_in_another_dtype(precision, untuned):
+    """Under bf16 autocast an fp32 module runs forward and backward without autotuning
+    (a new dtype would autotune again); a bf16 module keeps it; it is restored after."""
+    module = BenchmarkProbe()
+    hook = PrecisionHook(module, precision)
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        with torch.autocast("cpu", dtype=BF16):
+            out = module(torch.randn(2, 4, requires_grad=True))
+        assert torch.backends.cudnn.benchmark
+        out.float().sum().backward()
+        assert torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cudnn.benchmark = previous
+        hook.remove()
+    assert module.seen == [("forward", not untuned), ("backward", not untuned)]
