@@ -28,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import json
 import logging
@@ -44,7 +43,6 @@ from typing import Any
 
 import timm
 import torch
-import torch.nn.functional as F
 from huggingface_hub import hf_hub_download
 from safetensors.torch import load_model
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -337,30 +335,6 @@ def save_timm_config(
 # ---------------------------------------------------------------------- training run
 
 
-def smoothed_cross_entropy(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    num_items_in_batch: torch.Tensor | int | None = None,
-    *,
-    label_smoothing: float = 0.0,
-) -> torch.Tensor:
-    """Cross-entropy with label smoothing, as the Trainer's ``compute_loss_func``.
-
-    Given ``num_items_in_batch`` (the labels of the whole accumulated batch), the sum is
-    divided by it: with a ``compute_loss_func`` the Trainer does not divide by the
-    gradient-accumulation steps itself.
-
-    Example:
-        >>> logits, labels = torch.zeros(4, 10), torch.arange(4)
-        >>> round(smoothed_cross_entropy(logits, labels, label_smoothing=0.1).item(), 4)
-        2.3026
-    """
-    if num_items_in_batch is None:
-        return F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
-    loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing, reduction="sum")
-    return loss / num_items_in_batch
-
-
 def predicted_classes(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Keeps only the argmax of the logits: evaluation then gathers one int per image
     (the Trainer's ``preprocess_logits_for_metrics``).
@@ -451,7 +425,7 @@ class RunOutcome:
     precision_events: list[Any]
 
 
-def _settings(trainer: TriAccelTrainer, label_smoothing: float) -> dict[str, Any]:
+def _settings(trainer: TriAccelTrainer) -> dict[str, Any]:
     """The settings a reader needs to judge and repeat the run."""
     args = trainer.args
     settings: dict[str, Any] = {
@@ -469,7 +443,7 @@ def _settings(trainer: TriAccelTrainer, label_smoothing: float) -> dict[str, Any
         "num_train_epochs": args.num_train_epochs,
         "max_steps": args.max_steps,
         "precision": "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else "fp32",
-        "label_smoothing": label_smoothing,
+        "label_smoothing": trainer.label_smoothing,
         "augmentation": "random crop (4-pixel zero padding) and horizontal flip, on the device"
         if args.device_data_augment
         else "none",
@@ -531,7 +505,6 @@ def train_and_evaluate(
     recipe_args: RecipeArguments,
     args: TriAccelArguments,
     data: RecipeData,
-    label_smoothing: float,
 ) -> RunOutcome | None:
     """Trains one model, evaluates it, and writes its model, ``config.json``,
     ``history.json`` and efficiency report into ``args.output_dir``.
@@ -547,9 +520,6 @@ def train_and_evaluate(
         args=args,
         train_dataset=data.train,
         eval_dataset=data.eval,
-        compute_loss_func=functools.partial(
-            smoothed_cross_entropy, label_smoothing=label_smoothing
-        ),
         compute_metrics=accuracy,
         preprocess_logits_for_metrics=predicted_classes,
         callbacks=[history],
@@ -569,7 +539,7 @@ def train_and_evaluate(
         steps = report["optimizer_steps"]
         train_s = report["train_runtime_s"] - history.training_eval_s
         step_ms = 1e3 * train_s / steps if steps and train_s > 0 else None
-    settings = _settings(trainer, label_smoothing)
+    settings = _settings(trainer)
     dataset = recipe_args.dataset
     results = {
         "recipe": recipe.name,
@@ -694,17 +664,15 @@ def run_recipe(recipe: Recipe, argv: Sequence[str] | None = None) -> dict[str, A
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_args, args = parse_args(recipe, argv)
     push = args.push_to_hub
-    # The Trainer's label smoother reads model.config, which timm models lack: the
-    # smoothing goes into the loss. The Trainer would create the Hub repository when it
-    # starts: the push happens here instead, once every output is written.
-    label_smoothing = args.label_smoothing_factor
-    args = dataclasses.replace(args, label_smoothing_factor=0.0, push_to_hub=False)
+    # The Trainer would create the Hub repository when it starts: the push happens here
+    # instead, once every output is written.
+    args = dataclasses.replace(args, push_to_hub=False)
     data = RecipeData.load(recipe, recipe_args.dataset, progress=args.process_index == 0)
 
     baseline = None
     if recipe_args.baseline:
         baseline = train_and_evaluate(
-            recipe, recipe_args, baseline_arguments(args, recipe_args), data, label_smoothing
+            recipe, recipe_args, baseline_arguments(args, recipe_args), data
         )
         if baseline is not None:
             _write_json(baseline.results, baseline.results["output_dir"])
@@ -715,7 +683,7 @@ def run_recipe(recipe: Recipe, argv: Sequence[str] | None = None) -> dict[str, A
     elif recipe_args.compare_to:
         baseline = load_run(recipe_args.compare_to)
 
-    run = train_and_evaluate(recipe, recipe_args, args, data, label_smoothing)
+    run = train_and_evaluate(recipe, recipe_args, args, data)
     if run is None:
         return None
     results = run.results

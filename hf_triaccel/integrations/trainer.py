@@ -405,6 +405,13 @@ class TriAccelTrainer(Trainer):
             **kwargs,
         )
 
+    @property
+    def label_smoothing(self) -> float:
+        """The label smoothing of the loss: ``label_smoothing_factor`` as given (for a plain
+        ``nn.Module`` model it is applied here, the Trainer's own smoother needing a
+        transformers model)."""
+        return self._label_smoothing if self._plain_model else self.args.label_smoothing_factor
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log, not an evaluation one
             logs.update(self.telemetry.window_metrics())

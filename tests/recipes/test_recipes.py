@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 import yaml
 
 pytest.importorskip("timm")
@@ -33,7 +32,6 @@ from hf_triaccel.integrations.recipes import (  # noqa: E402
     main,
     parse_args,
     run_recipe,
-    smoothed_cross_entropy,
     steady_step_time_ms,
 )
 
@@ -231,19 +229,6 @@ def test_baseline_arguments_keep_everything_but_the_optimizer(tmp_path):
     assert baseline.optim == "adamw_torch_fused" and baseline.learning_rate == 1e-3
     assert baseline.weight_decay == 0.05 and baseline.max_steps == 7
     assert baseline.output_dir == str(tmp_path / "baseline")
-
-
-def test_smoothed_loss_matches_torch_and_sums_over_an_accumulated_batch():
-    gen = torch.Generator().manual_seed(0)
-    logits, labels = torch.randn(6, 5, generator=gen), torch.randint(0, 5, (6,), generator=gen)
-    expected = F.cross_entropy(logits, labels, label_smoothing=0.1)
-    assert torch.allclose(smoothed_cross_entropy(logits, labels, label_smoothing=0.1), expected)
-    # two micro-batches of an accumulated batch of 6 add up to the batch mean
-    halves = sum(
-        smoothed_cross_entropy(logits[i : i + 3], labels[i : i + 3], 6, label_smoothing=0.1)
-        for i in (0, 3)
-    )
-    assert torch.allclose(halves, expected)
 
 
 def test_accuracy_and_timing_helpers():
