@@ -152,47 +152,129 @@ def curvature(terms: list[_Term], total: int) -> torch.Tensor:
 def top_share(terms: list[_Term], total: int, fraction: float) -> torch.Tensor:
     """Share of the entries' sum held by the largest ``ceil(fraction * total)`` entries.
 
-    Computed on the factorisation in float64, without a host sync: multi-section over the
-    threshold ``t`` keeps ``count(v >= lo) >= k > count(v >= hi)``; at the end the top-k
-    sum is the sum above ``hi`` plus the missing entries valued at ``lo``.
+    One module's :func:`top_shares`.
 
     Example:
         >>> term = _Term(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0, 1.0, 6.0]), 1)
         >>> round(top_share([term], 10, 0.1).item(), 6)
         0.6
     """
-    k = max(1, math.ceil(fraction * total))
-    prepared = []
-    for t in terms:
+    return top_shares([(terms, total)], fraction)[0]
+
+
+@dataclass
+class _TermChunk:
+    """Terms of similar size, padded to one shape (float64, on the factors' device).
+
+    ``outer`` (T, O) is zero-padded (a zero entry never reaches a positive threshold);
+    ``inner`` (T, I) is sorted with ``+inf`` padding; ``suffix`` (T, I + 1) holds the sums
+    of each row's real entries from each position on (zero past them).
+    """
+
+    owner: torch.Tensor  # (T,) index of the module each term belongs to
+    mult: torch.Tensor  # (T,) int64
+    length: torch.Tensor  # (T,) int64, real entries of each inner row
+    outer: torch.Tensor
+    inner: torch.Tensor
+    suffix: torch.Tensor
+
+
+# elements of one (terms, thresholds, outer entries) block of the search: bounds its memory
+_SEARCH_BLOCK = 1 << 22
+
+
+def _term_chunks(pairs: list[tuple[int, _Term]]) -> list[_TermChunk]:
+    """The terms as few padded chunks, each within :data:`_SEARCH_BLOCK` per round."""
+    rows = []
+    for owner, t in pairs:
         outer, inner = (t.g, t.a) if t.g.numel() <= t.a.numel() else (t.a, t.g)
-        outer = outer.double().clamp_min(0.0)
-        inner = inner.double().clamp_min(0.0).sort().values
-        suffix = torch.cat([inner.flip(0).cumsum(0).flip(0), inner.new_zeros(1)])
-        prepared.append((outer, inner, suffix, t.mult))
-    mass = sum(m * o.sum() * i.sum() for o, i, _, m in prepared)
-    hi = torch.stack([o.max() * i[-1] for o, i, _, _ in prepared]).max()
+        rows.append((owner, t.mult, outer.double().clamp_min(0.0), inner.double().clamp_min(0.0)))
+    # similar outer sizes together, so that little of a chunk is padding
+    rows.sort(key=lambda r: (r[2].numel(), r[3].numel()))
+    chunks, start = [], 0
+    while start < len(rows):
+        stop = start + 1
+        while stop < len(rows) and (stop + 1 - start) * _WAYS * rows[stop][2].numel() <= (
+            _SEARCH_BLOCK
+        ):
+            stop += 1
+        part = rows[start:stop]
+        device = part[0][2].device
+        inner = torch.nn.utils.rnn.pad_sequence(
+            [r[3].sort().values for r in part], batch_first=True, padding_value=math.inf
+        )
+        real = torch.nan_to_num(inner, posinf=0.0)
+        suffix = torch.cat([real.flip(1).cumsum(1).flip(1), real.new_zeros(len(part), 1)], 1)
+        chunks.append(
+            _TermChunk(
+                owner=torch.tensor([r[0] for r in part], device=device),
+                mult=torch.tensor([r[1] for r in part], device=device),
+                length=torch.tensor([r[3].numel() for r in part], device=device),
+                outer=torch.nn.utils.rnn.pad_sequence([r[2] for r in part], batch_first=True),
+                inner=inner,
+                suffix=suffix,
+            )
+        )
+        start = stop
+    return chunks
+
+
+def top_shares(modules: list[tuple[list[_Term], int]], fraction: float) -> torch.Tensor:
+    """For each module (its terms and entry count): the share of its entries' sum held by
+    its largest ``ceil(fraction * count)`` entries, as one float64 tensor.
+
+    Computed on the factorisations in float64, for all modules at once and without a host
+    sync: a multi-section search over each module's threshold ``t`` keeps
+    ``count(v >= lo) >= k > count(v >= hi)``; at the end the top-k sum is the sum above
+    ``hi`` plus the missing entries valued at ``lo``. Counting the entries of ``g x a``
+    at or above ``t`` is one batched ``searchsorted`` of ``t / outer`` in the sorted inner
+    factor, so the operations per round do not grow with the number of modules.
+
+    Example:
+        >>> term = _Term(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 3.0]), 1)
+        >>> [round(v, 6) for v in top_shares([([term], 4), ([term], 4)], 0.5).tolist()]
+        [0.75, 0.75]
+    """
+    n = len(modules)
+    pairs = [(i, t) for i, (terms, _) in enumerate(modules) for t in terms]
+    chunks = _term_chunks(pairs)
+    device = chunks[0].outer.device
+    totals = torch.tensor([total for _, total in modules], dtype=torch.float64, device=device)
+    k = (fraction * totals).ceil().clamp_min(1.0)
+    mass = totals.new_zeros(n)
+    hi = totals.new_zeros(n)
+    for c in chunks:
+        real_inner = c.suffix[:, 0]
+        mass.index_add_(0, c.owner, c.mult * c.outer.sum(1) * real_inner)
+        peak = c.outer.max(1).values * torch.nan_to_num(c.inner, posinf=0.0).max(1).values
+        hi.scatter_reduce_(0, c.owner, peak, reduce="amax")
     hi = hi * (1.0 + 1e-9) + 1e-300  # strictly above every entry: count(v >= hi) = 0
     lo = torch.zeros_like(hi)
 
     def count_and_sum(thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        count = torch.zeros(thresholds.shape, dtype=torch.int64, device=hi.device)
+        # thresholds (n, w) -> entries at or above each, and their sum, per module
+        count = torch.zeros(thresholds.shape, dtype=torch.int64, device=device)
         above = torch.zeros_like(thresholds)
-        for outer, inner, suffix, mult in prepared:
+        for c in chunks:
+            t = thresholds[c.owner]  # (T, w)
             # first position of inner >= t / outer_i: entries g_i * a_j >= t (t / 0 = inf)
-            idx = torch.searchsorted(inner, thresholds[:, None] / outer[None, :])
-            count += mult * (inner.numel() - idx).sum(1)
-            above += mult * (outer[None, :] * suffix[idx]).sum(1)
+            q = t[:, :, None] / c.outer[:, None, :]  # (T, w, O)
+            idx = torch.searchsorted(c.inner, q.flatten(1)).view(q.shape)
+            per_term = (c.length[:, None, None] - idx).sum(2) * c.mult[:, None]
+            sums = c.suffix.gather(1, idx.flatten(1)).view(q.shape)
+            count.index_add_(0, c.owner, per_term)
+            above.index_add_(0, c.owner, (c.outer[:, None, :] * sums).sum(2) * c.mult[:, None])
         return count, above
 
-    ways = torch.arange(1, _WAYS + 1, device=hi.device, dtype=hi.dtype) / _WAYS
+    ways = torch.arange(1, _WAYS + 1, device=device, dtype=torch.float64) / _WAYS
     for _ in range(_ROUNDS):
         width = hi - lo
-        count, _ = count_and_sum(lo + width * ways)
-        passed = (count >= k).sum().to(hi.dtype)  # count falls with t: a prefix passes
+        count, _ = count_and_sum(lo[:, None] + width[:, None] * ways)
+        passed = (count >= k[:, None]).sum(1).to(torch.float64)  # count falls with t
         lo, hi = lo + width * passed / _WAYS, lo + width * (passed + 1) / _WAYS
-    count_hi, above_hi = count_and_sum(hi.reshape(1))
-    top = above_hi[0] + (k - count_hi[0]).to(hi.dtype) * lo
-    return torch.where(mass > 0, top / mass.clamp_min(1e-300), torch.full_like(mass, k / total))
+    count_hi, above_hi = count_and_sum(hi[:, None])
+    top = above_hi[:, 0] + (k - count_hi[:, 0]) * lo
+    return torch.where(mass > 0, top / mass.clamp_min(1e-300), k / totals)
 
 
 class _NoiseProbe:
@@ -357,11 +439,12 @@ class SignalTracker:
 
         Everything stays on the device until one copy of all values at the end.
         """
-        rows = []
+        rows, factored = [], []
         for name, layer in self.collector.layers.items():
             terms, total = factor_terms(layer)
             params = [getattr(layer.module, attr) for attr in layer.layouts]
             weight_sq = torch.stack([p.detach().float().square().sum() for p in params]).sum()
+            factored.append((terms, total))
             rows.append(
                 (
                     name,
@@ -369,7 +452,6 @@ class SignalTracker:
                     total,
                     [
                         curvature(terms, total).double(),
-                        top_share(terms, total, self.top_fraction),
                         self._noise(name, layer).double(),
                         weight_sq.double(),
                     ],
@@ -378,8 +460,10 @@ class SignalTracker:
         if not rows:
             self.signals = {}
             return {}
-        device = rows[0][3][0].device
-        values = torch.stack([v.to(device) for *_, vs in rows for v in vs]).view(len(rows), 4)
+        concentration = top_shares(factored, self.top_fraction)
+        device = concentration.device
+        others = torch.stack([v.to(device) for *_, vs in rows for v in vs]).view(len(rows), 3)
+        values = torch.cat([others[:, :1], concentration[:, None], others[:, 1:]], 1)
         self.signals = {}
         for (name, layer, total, _), (c, conc, v, wsq) in zip(rows, values.tolist(), strict=True):
             self.signals[name] = ModuleSignals(
