@@ -180,7 +180,7 @@ class _TermChunk:
 
 
 # elements of one (terms, thresholds, outer entries) block of the search: bounds its memory
-_SEARCH_BLOCK = 1 << 22
+_SEARCH_BLOCK = 1 << 20
 
 
 def _term_chunks(pairs: list[tuple[int, _Term]]) -> list[_TermChunk]:
