@@ -146,6 +146,27 @@ def test_top_share_with_multiplicity_equals_repeated_entries():
     assert got.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
+def test_top_shares_of_many_modules_match_one_at_a_time_in_any_chunking(monkeypatch):
+    from hf_triaccel.curvature import signals
+
+    modules = []
+    for rows, cols, mult in ((3, 40, 1), (7, 2, 3), (1, 9, 1), (16, 16, 2)):
+        g, a = torch.rand(rows), torch.rand(cols)
+        bias = _Term(torch.rand(1), torch.rand(rows), 1)
+        modules.append(([_Term(g, a, mult), bias], rows * cols * mult + rows))
+    whole = signals.top_shares(modules, 0.2)
+    monkeypatch.setattr(signals, "_SEARCH_BLOCK", 1)  # one term per chunk
+    chunked = signals.top_shares(modules, 0.2)
+    for i, (terms, total) in enumerate(modules):
+        entries = torch.cat(
+            [torch.outer(t.g, t.a).flatten().repeat(t.mult).double() for t in terms]
+        )
+        k = math.ceil(0.2 * total)
+        expected = entries.sort(descending=True).values[:k].sum() / entries.sum()
+        assert whole[i].item() == pytest.approx(expected.item(), rel=1e-6)
+        assert chunked[i].item() == pytest.approx(expected.item(), rel=1e-6)
+
+
 def train_synthetic(tracker_kwargs, mean, sigma, steps=600):
     """Feeds gradients mean + sigma * N(0, 1) to an optimizer that does not move."""
     model = nn.Linear(16, 8)
