@@ -128,8 +128,8 @@ class PrecisionPolicy:
         rules: :class:`PrecisionRule` objects or ``(match, precision)`` pairs; the first
             matching rule wins over the automatic choice (normalisation layers stay fp32
             whatever the rules say).
-        fp32_fraction: share of the compute in fp32 (default 0.03: a step costs about
-            what it costs in bf16; fp32 convolutions also take larger cuDNN workspaces).
+        fp32_fraction: share of the compute in fp32 (default 0.03: the fp32 arithmetic
+            stays a small part of the step).
         fp16_fraction: share of the compute in fp16 (0 disables fp16; fp16
             regions need a loss scaler, as in any fp16 training).
         margin: hysteresis margin, in share of the compute.
