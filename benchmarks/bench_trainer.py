@@ -15,8 +15,8 @@ float logits with label smoothing 0.1, backward, gradient clipping at
 ``--max-grad-norm`` (the Trainer's default 1.0; 0 turns it off everywhere), optimizer
 step, the Trainer's default linear learning-rate decay, and a read-back of the summed
 loss every ``--logging-steps`` steps (the Trainer logs then). The Trainer otherwise runs
-with its defaults, so that what it adds is measured: its NaN/Inf check of every loss, a
-gradient norm on every step, its callbacks and its data loader. Turned off: evaluation,
+with its defaults (``TriAccelArguments``'), so that what it adds is measured: a gradient
+norm on every step, its callbacks and its data loader. Turned off: evaluation,
 checkpoints, reporting backends, the progress bar, and DDP's search for unused
 parameters, which the Trainer turns on for a plain ``nn.Module`` although every
 parameter here gets a gradient.
