@@ -13,9 +13,10 @@ chooses; the test pass runs in the same precision:
 - ``adaptive``: bf16 autocast with per-module precision from
   :class:`~hf_triaccel.precision.PrecisionController`, built as ``TriAccelTrainer`` builds
   it: normalisation layers in fp32 from the start; every 200 steps (``--signals_every``)
-  the other modules are ranked by sensitivity, the most sensitive quarter computing in
-  fp32 and the rest in bf16. It needs AdaFisher or AdaFisherW, whose Fisher factors the
-  signals come from.
+  the other modules are ranked by sensitivity per multiply-add, the most sensitive ones
+  computing in fp32 up to 3% of the compute (``PrecisionPolicy.fp32_fraction``) and the
+  rest in bf16. It needs AdaFisher or AdaFisherW, whose Fisher factors the signals come
+  from.
 
 Reported, as one JSON line on stdout (and in ``--out FILE``):
 

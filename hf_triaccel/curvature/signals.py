@@ -300,7 +300,9 @@ class _NoiseProbe:
             self.index, self.m1, self.m2 = (
                 t.to(grad.device) for t in (self.index, self.m1, self.m2)
             )
-        return grad.reshape(-1).index_select(0, self.index).float()
+        # one operation per parameter (a reshape would be a second): the sampling runs
+        # for every parameter every few steps of a host-bound loop
+        return grad.take(self.index).float()
 
     def moments(self, beta: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(mean unbiased variance, mean E[g^2]) over the subset, or ``None`` (< 2 samples)."""

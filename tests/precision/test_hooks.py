@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from hf_triaccel.precision import PrecisionController, PrecisionHook, PrecisionPolicy
@@ -206,3 +209,82 @@ def test_cudnn_autotuning_is_off_only_around_modules_in_another_dtype(precision,
         torch.backends.cudnn.benchmark = previous
         hook.remove()
     assert module.seen == [("forward", not untuned), ("backward", not untuned)]
+
+
+class RecordsInput(nn.Module):
+    """A Linear that keeps a weak reference to the input its forward received and may
+    first modify that input in place."""
+
+    def __init__(self, scale_in_place: float | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(8, 8)
+        self.scale_in_place = scale_in_place
+        self.received: list[weakref.ref] = []
+
+    def forward(self, x):
+        self.received.append(weakref.ref(x))
+        if self.scale_in_place is not None:
+            x.mul_(self.scale_in_place)
+        return self.linear(x)
+
+
+def reference(module: RecordsInput, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and weight gradient of the module computed in float32 without hooks, the
+    output rounded to bf16 before the loss as under the hook."""
+    inner = x.detach().float() * (module.scale_in_place or 1.0)
+    out = nn.functional.linear(inner, module.linear.weight, module.linear.bias).to(BF16)
+    (grad,) = torch.autograd.grad(out.float().square().sum(), module.linear.weight)
+    return out.detach(), grad
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 8)])  # 3-d: the matmul saves a view
+@pytest.mark.parametrize("scale_in_place", [None, 3.0])
+def test_fp32_module_saves_its_half_inputs_not_their_float32_copies(scale_in_place, shape):
+    module = RecordsInput(scale_in_place)
+    hook = PrecisionHook(module, "fp32")
+    x = torch.randn(shape).to(BF16)
+    expected_out, expected_grad = reference(module, x)
+    with torch.autocast("cpu", dtype=BF16):
+        out = module(x)
+    gc.collect()
+    # the float32 copy the module computed on is gone unless it was changed in place
+    # before being saved: then the backward needs its new values
+    assert (module.received[0]() is not None) == (scale_in_place is not None)
+    out.float().square().sum().backward()
+    assert out.dtype == BF16
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
+    torch.testing.assert_close(module.linear.weight.grad, expected_grad)
+    hook.remove()
+
+
+def test_fp32_module_input_changed_after_the_forward_fails_the_backward():
+    module = RecordsInput()
+    hook = PrecisionHook(module, "fp32")
+    x = torch.randn(4, 8).to(BF16)
+    with torch.autocast("cpu", dtype=BF16):
+        out = module(x)
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        out.float().sum().backward()
+    hook.remove()
+
+
+def test_fp32_module_inside_activation_checkpointing_matches_without():
+    """Inside non-reentrant checkpointing the checkpoint's own saved-tensor hooks keep
+    the saved tensors; gradients match an unchecked forward."""
+    grads = []
+    for checkpointed in (False, True):
+        module = RecordsInput()
+        hook = PrecisionHook(module.linear, "fp32")
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(BF16)
+        x.requires_grad_(True)
+        with torch.autocast("cpu", dtype=BF16):
+            if checkpointed:
+                out = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+            else:
+                out = module(x)
+        out.float().square().sum().backward()
+        grads.append((module.linear.weight.grad, x.grad))
+        hook.remove()
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
