@@ -99,8 +99,8 @@ class TriAccelPlugin:
     fp32_fraction: float | None = field(
         default=None,
         metadata={
-            "help": "Share of the compute kept in fp32, given to the modules most sensitive "
-            "per multiply-add (default 0.03)."
+            "help": "Share of the compute and of the activations kept in fp32, given to the "
+            "modules most sensitive per unit of that cost (default 0.005)."
         },
     )
     fp16_fraction: float | None = field(

@@ -100,8 +100,8 @@ class TriAccelArguments(TrainingArguments):
     triaccel_fp32_fraction: float = field(
         default=PrecisionPolicy.fp32_fraction,
         metadata={
-            "help": "Share of the compute kept in fp32, given to the modules most sensitive "
-            "per multiply-add."
+            "help": "Share of the compute and of the activations kept in fp32, given to the "
+            "modules most sensitive per unit of that cost."
         },
     )
     triaccel_fp16_fraction: float | None = field(

@@ -132,8 +132,10 @@ class PrecisionController:
         for rule in self.policy.rules:
             if not any(rule.matches(n, m) for n, m in self._modules.items()):
                 warnings.warn(f"precision rule {rule.match!r} matches no module", stacklevel=2)
-        # compute per forward of each rankable module, measured once on its first forward
+        # compute and activations per forward of each rankable module, measured once on
+        # its first forward
         self.costs: dict[str, float] = {}
+        self.activations: dict[str, float] = {}
         self._cost_hooks = {
             name: module.register_forward_hook(functools.partial(self._measure_cost, name))
             for name, module in self._modules.items()
@@ -150,6 +152,9 @@ class PrecisionController:
         out = output if isinstance(output, torch.Tensor) else next(_tensors(output), None)
         if out is not None:
             self.costs[name] = out.numel() * _macs_per_output(module, out)
+            self.activations[name] = sum(
+                t.numel() for t in _tensors((args, output)) if t.is_floating_point()
+            )
         self._cost_hooks.pop(name).remove()
 
     def _set(self, name: str, precision: str, step: int, reason: str) -> None:
@@ -213,16 +218,14 @@ class PrecisionController:
             for name, s in sensitivity.items()
             if name not in self._fixed and math.isfinite(s)
         }
-        costs = {name: self.costs.get(name, 0.0) for name in candidates}
-        if not all(c > 0 for c in costs.values()):  # not all measured yet: count modules
-            costs = dict.fromkeys(candidates, 1.0)
-        # most sensitive per unit of compute first: a cheap module is protected cheaply
-        ranked = sorted(candidates, key=lambda name: (-candidates[name] / costs[name], name))
-        total = sum(costs.values())
-        before = 0.0
+        shares = self._cost_shares(candidates)
+        # most sensitive per unit of cost first: a cheap module is protected cheaply
+        ranked = sorted(candidates, key=lambda name: (-candidates[name] / max(shares[name]), name))
+        before = [0.0, 0.0]
         for name in ranked:
-            q = (before + costs[name] / 2) / total  # share of the compute up to its middle
-            before += costs[name]
+            # the larger of the compute and activation shares up to the module's middle
+            q = max(b + s / 2 for b, s in zip(before, shares[name], strict=True))
+            before = [b + s for b, s in zip(before, shares[name], strict=True)]
             current = self.decisions.get(name)
             proposal = self._floor(name, self.policy.propose(q, current))
             if current is None:
@@ -238,6 +241,15 @@ class PrecisionController:
                 self._set(name, proposal, step, "rank")
             else:
                 self._pending[name] = (proposal, count)
+
+    def _cost_shares(self, names: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
+        """Each module's (compute share, activation share) among ``names``; equal shares
+        until every one of them has been measured."""
+        if not all(self.costs.get(n, 0.0) > 0 for n in names):
+            return dict.fromkeys(names, (1.0 / len(names),) * 2)
+        compute = sum(self.costs[n] for n in names)
+        activations = sum(self.activations[n] for n in names) or 1.0
+        return {n: (self.costs[n] / compute, self.activations[n] / activations) for n in names}
 
     def check_overflow(self, step: int) -> list[str]:
         """Reads the overflow accumulator of every fp16 module (one host sync) and moves

@@ -109,13 +109,15 @@ class PrecisionRule:
 class PrecisionPolicy:
     """How the controller chooses each module's compute precision.
 
-    Modules are ranked by sensitivity per unit of compute (multiply-adds per forward,
-    measured by the controller), most first: a cheap module is protected cheaply. A
-    module's place ``q`` is the share of the ranked modules' compute that comes before its
-    middle (with equal costs, ``(rank + 0.5) / n``). Modules with ``q < fp32_fraction``
-    compute in fp32, those with ``q > 1 - fp16_fraction`` in fp16, the rest in bf16: the
-    fractions are shares of the compute, so they bound what the choice costs in time and
-    memory.
+    Modules are ranked by sensitivity per unit of cost, most first: a cheap module is
+    protected cheaply. A module's cost is the larger of its share of the ranked modules'
+    compute (multiply-adds per forward) and of their activations (input and output
+    elements per forward), both measured by the controller: computing in fp32 takes
+    time in proportion to the first, and memory in proportion to the second (float32
+    copies of the input, output and gradients while its forward and backward run). A
+    module's place ``q`` is the larger of the two shares that come before its middle (with
+    equal costs, ``(rank + 0.5) / n``). Modules with ``q < fp32_fraction`` compute in fp32,
+    those with ``q > 1 - fp16_fraction`` in fp16, the rest in bf16.
 
     Hysteresis, two guards that both must pass before a module changes: its ``q`` must
     cross the boundary of its current band by ``margin`` (a module in bf16 moves to fp32
@@ -128,11 +130,13 @@ class PrecisionPolicy:
         rules: :class:`PrecisionRule` objects or ``(match, precision)`` pairs; the first
             matching rule wins over the automatic choice (normalisation layers stay fp32
             whatever the rules say).
-        fp32_fraction: share of the compute in fp32 (default 0.03: the fp32 arithmetic
-            stays a small part of the step).
-        fp16_fraction: share of the compute in fp16 (0 disables fp16; fp16
-            regions need a loss scaler, as in any fp16 training).
-        margin: hysteresis margin, in share of the compute.
+        fp32_fraction: share of the compute and of the activations in fp32 (default
+            0.005, small on purpose: on a CIFAR ResNet-18, 3% of the compute alone put
+            downsampling convolutions in fp32 and cost 5% more time and 8% more peak
+            memory than bf16; BENCHMARKS.md has the measurements).
+        fp16_fraction: share of the compute and of the activations in fp16 (0 disables
+            fp16; fp16 regions need a loss scaler, as in any fp16 training).
+        margin: hysteresis margin, in the unit of ``q``.
         patience: consecutive evaluations a change must be proposed at before it is made.
 
     Example:
@@ -142,9 +146,9 @@ class PrecisionPolicy:
     """
 
     rules: Sequence[PrecisionRule | tuple] = field(default_factory=tuple)
-    fp32_fraction: float = 0.03
+    fp32_fraction: float = 0.005
     fp16_fraction: float = 0.25
-    margin: float = 0.01
+    margin: float = 0.002
     patience: int = 2
 
     def __post_init__(self) -> None:

@@ -43,20 +43,24 @@ def test_ranking_assigns_fp32_bf16_fp16_by_fraction():
     }
 
 
-def test_ranking_weighs_sensitivity_by_measured_compute():
-    """Costs come from the first forward (multiply-adds); the fractions are shares of the
-    compute, and a module sensitive per multiply-add goes first."""
-    model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 2))
-    controller = PrecisionController(
-        model, PrecisionPolicy(fp32_fraction=0.2, fp16_fraction=0.0, margin=0.0)
+def test_ranking_weighs_sensitivity_by_measured_compute_and_activations():
+    """Costs come from the first forward (multiply-adds, input and output elements); a
+    module's cost is the larger of its compute and activation shares, and fp32 takes the
+    most sensitive modules per unit of cost while both shares stay within the fraction."""
+    model = nn.Sequential(
+        nn.Linear(4, 256), nn.Linear(256, 256), nn.Linear(256, 4), nn.Linear(4, 4)
     )
-    model(torch.randn(3, 8))
-    assert controller.costs == {"0": 3 * 64 * 8, "1": 3 * 64 * 64, "2": 3 * 2 * 64}
+    controller = PrecisionController(
+        model, PrecisionPolicy(fp32_fraction=0.1, fp16_fraction=0.0, margin=0.0)
+    )
+    model(torch.randn(1, 4))
+    assert controller.costs == {"0": 4 * 256, "1": 256 * 256, "2": 256 * 4, "3": 4 * 4}
+    assert controller.activations == {"0": 260, "1": 512, "2": 260, "3": 8}
     assert not controller._cost_hooks  # measured once, then removed
-    # "1" is the most sensitive, but it is 85% of the compute: protecting it would cost
-    # most of the step, while "2" and "0" together are 15% of it
-    controller.update({"0": 1.0, "1": 3.0, "2": 1.0}, step=200)
-    assert controller.decisions == {"2": "fp32", "0": "fp32", "1": "bf16"}
+    # "1" is 97% of the compute; "0" and "2" are 1.5% of it each but hold a quarter of
+    # the activations each (fp32 doubles what their backward holds): only "3" is cheap
+    controller.update({"0": 1.0, "1": 10.0, "2": 1.0, "3": 1.0}, step=200)
+    assert controller.decisions == {"3": "fp32", "1": "bf16", "0": "bf16", "2": "bf16"}
     controller.remove()
 
 
