@@ -278,18 +278,15 @@ def top_shares(modules: list[tuple[list[_Term], int]], fraction: float) -> torch
 
 
 class _NoiseProbe:
-    """EMAs of ``g`` and ``g^2`` at a fixed subset of one parameter's elements."""
+    """EMAs of ``g`` and ``g^2`` at a fixed subset (``index``) of one parameter's elements."""
 
-    def __init__(self, param: nn.Parameter, samples: int, generator: torch.Generator) -> None:
+    def __init__(
+        self, param: nn.Parameter, index: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor
+    ) -> None:
         self.param = param
-        n = param.numel()
-        # randint, not randperm: a permutation of a large embedding would be big
-        cpu_index = (
-            torch.arange(n) if n <= samples else torch.randint(n, (samples,), generator=generator)
-        )
-        self.index = cpu_index.to(param.device)
-        self.m1 = torch.zeros(self.index.numel(), device=param.device)
-        self.m2 = torch.zeros_like(self.m1)
+        self.index = index
+        self.m1 = m1
+        self.m2 = m2
         self.count = 0
 
     def sample(self) -> torch.Tensor | None:
@@ -314,6 +311,32 @@ class _NoiseProbe:
         e1, e2 = self.m1 / w_sum, self.m2 / w_sum
         var = (e2 - e1 * e1).clamp_min(0.0) / (1.0 - w_sq / w_sum**2)
         return var.mean(), e2.mean()
+
+
+def _noise_probes(
+    params: dict[str, nn.Parameter], samples: int, generator: torch.Generator
+) -> dict[str, _NoiseProbe]:
+    """A probe per parameter, its indices and EMAs being views of three buffers per device:
+    three tensors per parameter would each take an allocator block of at least 512 bytes,
+    50 times what a probe holds."""
+    indices = {}
+    for key, param in params.items():
+        n = param.numel()
+        # randint, not randperm: a permutation of a large embedding would be big
+        indices[key] = (
+            torch.arange(n) if n <= samples else torch.randint(n, (samples,), generator=generator)
+        )
+    probes = {}
+    for device in {p.device for p in params.values()}:
+        keys = [k for k, p in params.items() if p.device == device]
+        sizes = [indices[k].numel() for k in keys]
+        index = torch.cat([indices[k] for k in keys]).to(device)
+        m1 = torch.zeros(index.numel(), device=device)
+        m2 = torch.zeros_like(m1)
+        parts = zip(keys, index.split(sizes), m1.split(sizes), m2.split(sizes), strict=True)
+        for key, i, a, b in parts:
+            probes[key] = _NoiseProbe(params[key], i, a, b)
+    return {key: probes[key] for key in params}
 
 
 class SignalTracker:
@@ -373,12 +396,13 @@ class SignalTracker:
         self.noise_beta = noise_beta
         self.steps = 0
         self.signals: dict[str, ModuleSignals] = {}
+        params = {
+            _probe_key(name, attr): getattr(layer.module, attr)
+            for name, layer in collector.layers.items()
+            for attr in layer.layouts
+        }
         generator = torch.Generator().manual_seed(seed)
-        self._probes: dict[str, _NoiseProbe] = {}
-        for name, layer in collector.layers.items():
-            for attr in layer.layouts:
-                param = getattr(layer.module, attr)
-                self._probes[_probe_key(name, attr)] = _NoiseProbe(param, noise_samples, generator)
+        self._probes = _noise_probes(params, noise_samples, generator)
         self._listeners: OrderedDict[int, Listener] = OrderedDict()
         self._handles: list[RemovableHandle] = []
         if optimizer is not None:
@@ -558,10 +582,16 @@ class SignalTracker:
             )
         for key, probe in self._probes.items():
             saved = state["probes"][key]
-            device = probe.param.device
-            probe.index = saved["index"].to(device)
-            probe.m1 = saved["m1"].to(device=device, dtype=torch.float32)
-            probe.m2 = saved["m2"].to(device=device, dtype=torch.float32)
+            if saved["index"].shape != probe.index.shape:
+                raise ValueError(
+                    f"signal state samples {saved['index'].numel()} gradient elements of "
+                    f"{key!r}, this tracker {probe.index.numel()}: build it with the same "
+                    "noise_samples"
+                )
+            # in place: the probes are views of shared buffers
+            probe.index.copy_(saved["index"])
+            probe.m1.copy_(saved["m1"])
+            probe.m2.copy_(saved["m2"])
             probe.count = int(saved["count"])
         self.steps = int(state["steps"])
         self.signals = {

@@ -279,6 +279,10 @@ def test_state_dict_round_trip_and_remove():
     assert restored.as_dict() == tracker.as_dict()
     assert restored.compute()[""] == tracker.compute()[""]
 
+    smaller = SignalTracker(tracker.collector, noise_samples=8)
+    with pytest.raises(ValueError, match="same noise_samples"):
+        smaller.load_state_dict(state)
+
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     other = SignalTracker(FisherCollector(nn.Linear(2, 2)))
     with pytest.raises(KeyError):
@@ -289,3 +293,17 @@ def test_state_dict_round_trip_and_remove():
     restored.remove()
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
     assert not restored._listeners
+
+
+def test_noise_state_of_all_parameters_shares_three_buffers():
+    """A probe per parameter, but one index and two EMA buffers in all: each tensor
+    would otherwise take its own allocator block."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(4, 2))
+    tracker = SignalTracker(FisherCollector(model), noise_samples=5)
+    probes = list(tracker._probes.values())
+    assert len(probes) == 6
+    for attr in ("index", "m1", "m2"):
+        storages = {getattr(p, attr).untyped_storage().data_ptr() for p in probes}
+        assert len(storages) == 1
+    # parameters of fewer than noise_samples elements are sampled whole (biases of 4 and 2)
+    assert [p.index.numel() for p in probes] == [5, 5, 5, 4, 5, 2]
