@@ -133,8 +133,15 @@ def assert_lockstep_300_steps(cls, impl: str, device: torch.device, shape, rtol:
     ref, fast = opts["reference"], opts[impl]
     pairs = zip(models["reference"].parameters(), models[impl].parameters(), strict=True)
     for p_ref, p_fast in pairs:
+        momentum = ref.state[p_ref]["momentum"]
+        # absolute slack at rtol of the tensor's scale: entries where the summed gradients
+        # cancel to near zero carry the rounding of the large ones (on a GPU, convolution
+        # backward kernels are free to sum in any order)
         torch.testing.assert_close(
-            fast.state[p_fast]["momentum"], ref.state[p_ref]["momentum"], rtol=rtol, atol=1e-9
+            fast.state[p_fast]["momentum"],
+            momentum,
+            rtol=rtol,
+            atol=rtol * float(momentum.abs().max()),
         )
         assert int(fast.state[p_fast]["step"]) == int(ref.state[p_ref]["step"]) == 300
     for name, layer in ref.collector.layers.items():
