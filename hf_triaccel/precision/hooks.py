@@ -46,7 +46,7 @@ accumulator at once when it polls.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,22 +70,27 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _cast_floating(obj: Any, source: tuple[torch.dtype, ...], dtype: torch.dtype) -> Any:
-    """``obj`` with its tensors of a ``source`` dtype cast to ``dtype``, containers (named
-    tuples, dict subclasses such as ModelOutput) keeping their type."""
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to each of its tensors, containers (named tuples, dict
+    subclasses such as ModelOutput) keeping their type."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.dtype in source else obj
+        return fn(obj)
     if isinstance(obj, tuple):
-        items = [_cast_floating(x, source, dtype) for x in obj]
+        items = [_map_tensors(x, fn) for x in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if isinstance(obj, list):
-        return [_cast_floating(x, source, dtype) for x in obj]
+        return [_map_tensors(x, fn) for x in obj]
     if isinstance(obj, dict):
         out = copy.copy(obj)
         for key, value in obj.items():
-            out[key] = _cast_floating(value, source, dtype)
+            out[key] = _map_tensors(value, fn)
         return out
     return obj
+
+
+def _cast_floating(obj: Any, source: tuple[torch.dtype, ...], dtype: torch.dtype) -> Any:
+    """``obj`` with its tensors of a ``source`` dtype cast to ``dtype``."""
+    return _map_tensors(obj, lambda t: t.to(dtype) if t.dtype in source else t)
 
 
 def _to_float32(obj: Any) -> Any:
@@ -134,24 +139,15 @@ class _HalfInputs:
 
     def cast(self, obj: Any) -> Any:
         """``obj`` with its half-precision tensors cast to float32, the copies recorded."""
-        if isinstance(obj, torch.Tensor):
-            if obj.dtype not in _HALF:
-                return obj
-            copy_ = obj.to(torch.float32)
-            if copy_.numel() and copy_.layout == torch.strided:
-                self._copies[copy_.untyped_storage().data_ptr()] = (obj, copy_._version)
-            return copy_
-        if isinstance(obj, tuple):
-            items = [self.cast(x) for x in obj]
-            return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-        if isinstance(obj, list):
-            return [self.cast(x) for x in obj]
-        if isinstance(obj, dict):
-            out = copy.copy(obj)
-            for key, value in obj.items():
-                out[key] = self.cast(value)
-            return out
-        return obj
+        return _map_tensors(obj, self._upcast)
+
+    def _upcast(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype not in _HALF:
+            return t
+        copy_ = t.to(torch.float32)
+        if copy_.numel() and copy_.layout == torch.strided:
+            self._copies[copy_.untyped_storage().data_ptr()] = (t, copy_._version)
+        return copy_
 
     def __enter__(self) -> None:
         if self._copies:
@@ -230,7 +226,8 @@ def _untuned_backward(output: Any) -> None:
         node.register_hook(restore)
 
 
-_Region = tuple[torch.autocast, str, str, "torch.Tensor | None", bool, "_HalfInputs | None"]
+# an active forward: region, device type, precision, fp16 input sum, untuned, fp32 inputs
+_Region = tuple[torch.autocast, str, str, torch.Tensor | None, bool, _HalfInputs | None]
 
 
 class PrecisionHook:
@@ -264,8 +261,7 @@ class PrecisionHook:
             raise ValueError(f"unknown precision {precision!r}")
         self.precision = precision
         self.overflow: torch.Tensor | None = None
-        # per active forward: (region, device type, precision, fp16 input sum, untuned,
-        # fp32 input copies), or None where the module computes as it would unhooked
+        # per active forward; None where the module computes as it would unhooked
         self._regions: list[_Region | None] = []
         # prepended, so that a later pre-hook that raises still finds the region open
         self._handles = [
