@@ -425,6 +425,11 @@ class SignalTracker:
             optimizer.register_step_post_hook(self._after_step),
         ]
 
+    @property
+    def attached(self) -> bool:
+        """Whether the tracker follows an optimizer's steps."""
+        return bool(self._handles)
+
     def add_listener(self, fn: Listener) -> RemovableHandle:
         """Calls ``fn(step, signals)`` after every optimizer step; ``signals`` is the fresh
         evaluation on evaluation steps, else ``None``. Returns a removable handle."""
