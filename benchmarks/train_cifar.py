@@ -33,7 +33,11 @@ Reported, as one JSON line on stdout (and in ``--out FILE``):
   initial assignments included) and their count per reason, the number of rankings, the
   final decision per module, the share of the compute per precision (``compute_shares``),
   the policy, and the path of the precision map
-  (``--precision_map FILE.png``: each module's precision over the training steps).
+  (``--precision_map FILE.png``: each module's precision over the training steps);
+- ``lr_steering_scales``: with ``--lr_steering`` (each module's step scaled by a factor
+  from its curvature, re-decided with the signals, see
+  :class:`~hf_triaccel.curvature.steering.StepSizeSteering`), the final scale per module;
+  else ``None``.
 
 Default hyperparameters per optimizer (``--lr`` / ``--weight_decay`` override them):
 AdamW (fused) lr 3e-3, weight decay 0.05; AdaFisher lr 3e-3 and AdaFisherW lr 1e-2, both
@@ -73,6 +77,7 @@ import torch
 
 from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.data.images import GPUBatchLoader, load_image_dataset
+from hf_triaccel.integrations.plugin import TriAccelPlugin
 from hf_triaccel.integrations.timm_models import create_cifar_model
 from hf_triaccel.precision import PRECISIONS, PrecisionController, plot_precision_map
 from hf_triaccel.quickstart import (
@@ -113,6 +118,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="adaptive precision: optimizer steps between two rankings (default 200)",
     )
+    parser.add_argument(
+        "--lr_steering",
+        action="store_true",
+        help="scale each module's step by its curvature (StepSizeSteering; AdaFisher only)",
+    )
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch_size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
@@ -135,6 +145,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.precision_map is not None and args.precision != "adaptive":
         parser.error("--precision_map needs --precision adaptive")
+    if args.lr_steering and args.optimizer == "adamw":
+        parser.error("--lr_steering needs --optimizer adafisher or adafisherw")
     default_lr, default_wd = DEFAULT_HYPERPARAMETERS[args.optimizer]
     args.lr = default_lr if args.lr is None else args.lr
     args.weight_decay = default_wd if args.weight_decay is None else args.weight_decay
@@ -203,6 +215,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(args.optimizer, model, args.lr, args.weight_decay, impl=args.impl)
     controllers = build_precision(args.precision, model, optimizer, args.signals_every)
+    steering = TriAccelPlugin(
+        lr_steering=args.lr_steering, signals_every=args.signals_every
+    ).build_steering(optimizer, None if controllers is None else controllers[0])
     total_steps = args.epochs * len(train_loader)
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
@@ -257,6 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eval_seconds": eval_seconds,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "adaptive_precision": adaptive_record(controllers, args.precision_map),
+        "lr_steering_scales": None if steering is None else steering.scales,
         # fp32 matmuls and convolutions run in TF32 where these are on (torch's defaults
         # are left as they are: off for matmuls, on for cuDNN convolutions)
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,

@@ -49,8 +49,9 @@ def test_adaptive_run_records_the_precision_map(train_cifar, tmp_path):
     assert set(counts) == {"fp32", "bf16", "fp16"}
     assert sum(counts.values()) == NORMS + RANKED == len(adaptive["decisions"])
     assert counts["fp16"] == 0  # bf16 autocast around the model: no loss scaler, no fp16
-    # fp32, besides the normalisation layers, for about fp32_fraction of the compute: a
-    # few cheap modules, none of the 3x3 block convolutions (each 3.4% or 6.8% of it)
+    # fp32, besides the normalisation layers, within fp32_fraction of the compute and of
+    # the activations: cheap modules only, none of the 3x3 block convolutions (each 3.4%
+    # or 6.8% of the compute)
     shares = adaptive["compute_shares"]
     assert NORMS < counts["fp32"] < NORMS + RANKED
     assert 0.0 < shares["fp32"] < 0.03 and sum(shares.values()) == pytest.approx(1.0)
@@ -76,3 +77,14 @@ def test_bf16_is_the_default_and_the_map_needs_adaptive(train_cifar):
     assert train_cifar.parse_args([]).precision == "bf16"
     with pytest.raises(SystemExit):
         train_cifar.parse_args(["--precision_map", "map.png"])
+
+
+def test_lr_steering_records_the_final_scales(train_cifar, tmp_path):
+    flags = ("--lr_steering", "--max_steps", "7", "--signals_every", "6")
+    record = run(train_cifar, tmp_path, "--optimizer", "adafisher", *flags)
+    scales = record["lr_steering_scales"]
+    assert len(scales) == NORMS + RANKED  # every module with Fisher factors
+    assert all(0.5 <= s <= 2.0 for s in scales.values()) and len(set(scales.values())) > 1
+    assert record["adaptive_precision"] is None
+    with pytest.raises(SystemExit):
+        train_cifar.parse_args(["--optimizer", "adamw", "--lr_steering"])

@@ -160,6 +160,12 @@ class StepSizeSteering:
                     grads, scales = zip(*present, strict=True)
                     torch._foreach_mul_(list(grads), list(scales))
 
+    def summary(self) -> dict[str, float]:
+        """The smallest and largest scale (``lr_scale_min``, ``lr_scale_max``; 1.0 before
+        the first evaluation), as a telemetry provider."""
+        values = list(self.scales.values()) or [1.0]
+        return {"lr_scale_min": min(values), "lr_scale_max": max(values)}
+
     def state_dict(self) -> dict[str, Any]:
         """The current scales (restored by :meth:`load_state_dict`, so that a resumed run
         steps as the interrupted one until the next evaluation)."""

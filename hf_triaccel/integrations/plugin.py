@@ -23,6 +23,7 @@ from torch import nn
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.fold import EMA_MODES
 from hf_triaccel.curvature.signals import SignalTracker
+from hf_triaccel.curvature.steering import StepSizeSteering
 from hf_triaccel.dispatch import validate_impl
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
 from hf_triaccel.precision import PrecisionController, PrecisionPolicy
@@ -110,6 +111,13 @@ class TriAccelPlugin:
             "fp16 mixed precision, where a loss scaler exists, else 0)."
         },
     )
+    lr_steering: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Per-module step-size scale from the curvature signal, re-decided every "
+            "signals_every steps (experimental, default off)."
+        },
+    )
 
     _DEFAULTS = {
         "optimizer": "adafisherw",
@@ -125,6 +133,7 @@ class TriAccelPlugin:
         "signals_every": 200,
         "fp32_fraction": PrecisionPolicy.fp32_fraction,
         "fp16_fraction": None,
+        "lr_steering": False,
     }
 
     def __post_init__(self) -> None:
@@ -141,6 +150,7 @@ class TriAccelPlugin:
                     "signals_every": int,
                     "fp32_fraction": float,
                     "fp16_fraction": float,
+                    "lr_steering": bool,
                 }.get(f.name, str)
                 env = _env_default(f.name, kind)
                 setattr(self, f.name, env if env is not None else self._DEFAULTS[f.name])
@@ -212,32 +222,49 @@ class TriAccelPlugin:
         signals = SignalTracker(optimizer.collector, optimizer, every=self.signals_every)
         policy = PrecisionPolicy(fp32_fraction=self.fp32_fraction, fp16_fraction=fp16_fraction)
         controller = PrecisionController(model, policy, tracker=signals)
-        _checkpoint_with(optimizer, signals, controller)
+        _checkpoint_with(optimizer, "triaccel_precision", signals=signals, precision=controller)
         return signals, controller
 
+    def build_steering(
+        self, optimizer: AdaFisher, signals: SignalTracker | None
+    ) -> StepSizeSteering | None:
+        """Step-size steering of ``optimizer`` from ``signals`` (the tracker
+        :meth:`build_precision` built, or a new one when it built none); ``None`` unless
+        ``lr_steering`` is on. Its state rides along in the optimizer's ``state_dict``.
 
-_PRECISION_KEY = "triaccel_precision"
+        Example:
+            >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+            >>> plugin = TriAccelPlugin(lr_steering=True)
+            >>> optimizer = plugin.build_optimizer(model)
+            >>> plugin.build_steering(optimizer, None)
+            StepSizeSteering(no evaluation yet)
+        """
+        if not self.lr_steering:
+            return None
+        parts = {}
+        if signals is None:
+            signals = SignalTracker(optimizer.collector, optimizer, every=self.signals_every)
+            parts["signals"] = signals
+        steering = StepSizeSteering(signals, optimizer)
+        _checkpoint_with(optimizer, "triaccel_steering", **parts, steering=steering)
+        return steering
 
 
-def _checkpoint_with(
-    optimizer: torch.optim.Optimizer, signals: SignalTracker, controller: PrecisionController
-) -> None:
-    """Adds the signal and precision state to ``optimizer.state_dict()`` and restores it
-    from ``optimizer.load_state_dict()`` (torch's public optimizer hooks)."""
+def _checkpoint_with(optimizer: torch.optim.Optimizer, key: str, **parts: Any) -> None:
+    """Adds the state of ``parts`` (objects with ``state_dict`` / ``load_state_dict``) to
+    ``optimizer.state_dict()`` under ``key`` and restores it from
+    ``optimizer.load_state_dict()`` (torch's public optimizer hooks)."""
 
     def save(opt, state_dict):
-        state_dict[_PRECISION_KEY] = {
-            "signals": signals.state_dict(),
-            "precision": controller.state_dict(),
-        }
+        state_dict[key] = {name: part.state_dict() for name, part in parts.items()}
         return state_dict
 
     def load(opt, state_dict):
         state_dict = dict(state_dict)
-        saved = state_dict.pop(_PRECISION_KEY, None)
+        saved = state_dict.pop(key, None)
         if saved is not None:
-            signals.load_state_dict(saved["signals"])
-            controller.load_state_dict(saved["precision"])
+            for name, part in parts.items():
+                part.load_state_dict(saved[name])
         return state_dict
 
     optimizer.register_state_dict_post_hook(save)
@@ -254,6 +281,7 @@ class TriAccelPrepared:
     others: tuple = ()
     signals: SignalTracker | None = None
     precision: PrecisionController | None = None
+    steering: StepSizeSteering | None = None
 
 
 def check_distributed_support(distributed_type: DistributedType) -> None:
@@ -297,10 +325,19 @@ def prepare_triaccel(
     plugin = plugin or TriAccelPlugin()
     check_distributed_support(accelerator.distributed_type)
     optimizer = plugin.build_optimizer(model, params, grad_scaler=accelerator.scaler)
-    controllers = plugin.build_precision(
+    signals, precision = plugin.build_precision(
         model, optimizer, fp16=accelerator.mixed_precision == "fp16"
     ) or (None, None)
+    steering = plugin.build_steering(optimizer, signals)
+    if steering is not None:
+        signals = steering.tracker
     prepared = accelerator.prepare(model, optimizer, *others)
     return TriAccelPrepared(
-        prepared[0], prepared[1], optimizer.collector, tuple(prepared[2:]), *controllers
+        prepared[0],
+        prepared[1],
+        optimizer.collector,
+        tuple(prepared[2:]),
+        signals,
+        precision,
+        steering,
     )

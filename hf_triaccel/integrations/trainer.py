@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArgu
 
 from hf_triaccel.curvature.fold import EMA_MODES
 from hf_triaccel.curvature.signals import SignalTracker
+from hf_triaccel.curvature.steering import StepSizeSteering
 from hf_triaccel.data.images import ImageTensors
 from hf_triaccel.dispatch import IMPLS
 from hf_triaccel.integrations.elastic import TrainerElasticBatch
@@ -111,6 +112,13 @@ class TriAccelArguments(TrainingArguments):
             "--fp16, where a loss scaler exists, else 0)."
         },
     )
+    triaccel_lr_steering: bool = field(
+        default=False,
+        metadata={
+            "help": "Per-module step-size scale from the curvature signal, re-decided every "
+            "triaccel_signals_every steps (experimental); needs optim adafisher or adafisherw."
+        },
+    )
     elastic_batch: bool = field(
         default=False,
         metadata={
@@ -156,11 +164,12 @@ class TriAccelArguments(TrainingArguments):
                 "must lie in (0, 1]"
             )
         super().__post_init__()
-        if self.triaccel_precision and not ours:
-            raise ValueError(
-                f"TriAccelArguments.triaccel_precision needs optim adafisher or adafisherw "
-                f"(its signals come from the Fisher factors), got optim={self.optim!r}"
-            )
+        for name in ("triaccel_precision", "triaccel_lr_steering"):
+            if getattr(self, name) and not ours:
+                raise ValueError(
+                    f"TriAccelArguments.{name} needs optim adafisher or adafisherw "
+                    f"(its signals come from the Fisher factors), got optim={self.optim!r}"
+                )
         if ours:
             self.optim = chosen
             if self.fsdp or self.deepspeed:
@@ -226,6 +235,7 @@ class TriAccelArguments(TrainingArguments):
             signals_every=self.triaccel_signals_every,
             fp32_fraction=self.triaccel_fp32_fraction,
             fp16_fraction=self.triaccel_fp16_fraction,
+            lr_steering=self.triaccel_lr_steering,
         )
 
 
@@ -285,6 +295,7 @@ class TriAccelTrainer(Trainer):
         self.add_callback(self.telemetry)
         self.signals: SignalTracker | None = None
         self.precision: PrecisionController | None = None
+        self.steering: StepSizeSteering | None = None
         self.elastic: TrainerElasticBatch | None = None
         if args.elastic_batch:
             self.enable_elastic_batch(
@@ -329,13 +340,16 @@ class TriAccelTrainer(Trainer):
                 {"collector": collector, **plugin.optimizer_kwargs()},
             )
             optimizer = super().create_optimizer(model)
-            controllers = plugin.build_precision(
-                unwrapped, getattr(optimizer, "optimizer", optimizer), fp16=self.args.fp16
-            )
+            inner = getattr(optimizer, "optimizer", optimizer)
+            controllers = plugin.build_precision(unwrapped, inner, fp16=self.args.fp16)
             if controllers is not None:
                 self.signals, self.precision = controllers
                 self.telemetry.add_provider(self.precision.counts)
                 self.add_callback(_PrecisionReport(self.precision, self.signals))
+            self.steering = plugin.build_steering(inner, self.signals)
+            if self.steering is not None:
+                self.signals = self.steering.tracker
+                self.telemetry.add_provider(self.steering.summary)
             return optimizer
         return super().create_optimizer(model)
 

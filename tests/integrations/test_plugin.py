@@ -92,6 +92,28 @@ def test_prepare_with_adaptive_precision_checkpoints_its_state():
     assert fresh.signals.steps == 6
 
 
-def test_precision_is_off_by_default():
+def test_precision_and_steering_are_off_by_default():
     run = prepare_triaccel(accelerate.Accelerator(cpu=True), nn.Linear(3, 2))
-    assert run.precision is None and run.signals is None
+    assert run.precision is None and run.signals is None and run.steering is None
+
+
+@pytest.mark.parametrize("precision", [False, True])
+def test_prepare_with_step_size_steering_checkpoints_its_state(precision):
+    """Steering alone builds its own signal tracker; with precision it shares that one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    plugin = TriAccelPlugin(lr=1e-4, precision=precision, lr_steering=True, signals_every=2)
+    run = prepare_triaccel(accelerate.Accelerator(cpu=True), model, plugin)
+    assert run.signals is run.steering.tracker
+    assert (run.precision is not None) == precision
+    for _ in range(3):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        nn.functional.cross_entropy(run.model(x), y).backward()
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    assert set(run.steering.scales) == {"0", "2", "4"}
+    state = run.optimizer.state_dict()
+    fresh = prepare_triaccel(accelerate.Accelerator(cpu=True), copy.deepcopy(model), plugin)
+    fresh.optimizer.load_state_dict(state)
+    assert fresh.steering.scales == run.steering.scales
+    assert fresh.signals.steps == 3

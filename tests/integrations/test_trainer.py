@@ -203,9 +203,26 @@ def test_adaptive_precision_through_the_trainer(tmp_path):
     assert saved["precision"] == trainer.precision.state_dict()
 
 
-def test_precision_needs_adafisher(tmp_path):
-    with pytest.raises(ValueError, match="triaccel_precision"):
-        TriAccelArguments(output_dir=str(tmp_path), optim="adamw_torch", triaccel_precision=True)
+@pytest.mark.parametrize("field", ["triaccel_precision", "triaccel_lr_steering"])
+def test_signal_features_need_adafisher(tmp_path, field):
+    with pytest.raises(ValueError, match=field):
+        TriAccelArguments(output_dir=str(tmp_path), optim="adamw_torch", **{field: True})
+
+
+def test_step_size_steering_through_the_trainer(tmp_path):
+    args = make_args(
+        tmp_path, max_steps=4, triaccel_lr_steering=True, triaccel_signals_every=2, logging_steps=4
+    )
+    trainer = TriAccelTrainer(model=tiny_timm(), args=args, train_dataset=ImageSet())
+    trainer.train()
+    assert trainer.precision is None and trainer.signals is trainer.steering.tracker
+    assert trainer.signals.steps == 4 and trainer.steering.scales
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    assert log["lr_scale_min"] == min(trainer.steering.scales.values())
+    assert log["lr_scale_max"] == max(trainer.steering.scales.values())
+    saved = trainer.optimizer.state_dict()["triaccel_steering"]
+    assert saved["steering"] == trainer.steering.state_dict()
+    assert saved["signals"]["steps"] == 4
 
 
 def test_label_smoothing_with_a_plain_model(tmp_path):
