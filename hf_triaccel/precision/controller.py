@@ -84,6 +84,10 @@ class PrecisionController:
             surrounding autocast).
         events: every change, in order.
         overflowed: modules whose fp16 output overflowed; they stay at bf16 or above.
+        costs: multiply-adds per forward of each rankable module, measured on its first
+            forward (empty until then).
+        activations: floating input and output elements per forward of each rankable
+            module, measured with ``costs``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
