@@ -107,8 +107,8 @@ class TriAccelPlugin:
     fp16_fraction: float | None = field(
         default=None,
         metadata={
-            "help": "Share of the compute run in fp16, least sensitive first (default 0.25 under "
-            "fp16 mixed precision, where a loss scaler exists, else 0)."
+            "help": "Share of the compute and activations in fp16, least sensitive first (default "
+            "0.25 under fp16 mixed precision, where a loss scaler exists, else 0)."
         },
     )
     lr_steering: bool | None = field(

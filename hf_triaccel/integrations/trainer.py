@@ -108,8 +108,8 @@ class TriAccelArguments(TrainingArguments):
     triaccel_fp16_fraction: float | None = field(
         default=None,
         metadata={
-            "help": "Share of the compute run in fp16, least sensitive first (default 0.25 with "
-            "--fp16, where a loss scaler exists, else 0)."
+            "help": "Share of the compute and activations in fp16, least sensitive first (default "
+            "0.25 with --fp16, where a loss scaler exists, else 0)."
         },
     )
     triaccel_lr_steering: bool = field(
