@@ -27,7 +27,7 @@ float32 output would make them save float32 copies for the backward pass. Likewi
 an operation inside an fp32 module saves the float32 copy of a half-precision input for
 its backward, the module's saved-tensor hooks keep the half-precision input instead and
 cast it again when the backward needs it: the same values, without a float32 copy of the
-input held until the backward (on a CIFAR ResNet-18 with a downsampling convolution in
+input held until the backward (on a CIFAR ResNet-18 with downsampling convolutions in
 fp32, this cut the peak memory above bf16's from 17% to 8%). Inside another saved-tensor
 hook (e.g. non-reentrant activation checkpointing) the module leaves saving to that hook.
 

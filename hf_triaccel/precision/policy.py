@@ -132,7 +132,7 @@ class PrecisionPolicy:
             whatever the rules say).
         fp32_fraction: share of the compute and of the activations in fp32 (default
             0.005, small on purpose: on a CIFAR ResNet-18, 3% of the compute alone put
-            a downsampling convolution in fp32 and cost 5-6% more time and 8% more peak
+            downsampling convolutions in fp32 and cost 5-6% more time and 8% more peak
             memory than bf16; BENCHMARKS.md has the measurements).
         fp16_fraction: share of the compute and of the activations in fp16 (0 disables
             fp16; fp16 regions need a loss scaler, as in any fp16 training).
