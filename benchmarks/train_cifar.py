@@ -36,7 +36,7 @@ Reported, as one JSON line on stdout (and in ``--out FILE``):
   (``--precision_map FILE.png``: each module's precision over the training steps);
 - ``lr_steering_scales``: with ``--lr_steering`` (each module's step scaled by a factor
   from its curvature, re-decided with the signals, see
-  :class:`~hf_triaccel.curvature.steering.StepSizeSteering`), the final scale per module;
+  :class:`~hf_triaccel.optim.steering.StepSizeSteering`), the final scale per module;
   else ``None``.
 
 Default hyperparameters per optimizer (``--lr`` / ``--weight_decay`` override them):

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_triaccel.curvature.fold import EMA_MODES, NORMALISE_EPS
+from hf_triaccel._types import EMA_MODES, NORMALISE_EPS
 
 # Sizes below were picked by measurement on an H200 (bf16 inputs, 64 to 150K columns).
 # Elements in one loaded tile: 16 elements per thread with 8 warps.

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_triaccel.curvature.collector import ParamFactors
+from hf_triaccel._types import ParamFactors
 from hf_triaccel.optim.functional import _reference_adafisher
 
 BLOCK = 1024

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hf_triaccel._types import FactorLayout, ParamFactors
 from hf_triaccel.curvature.fold import fold_factors
-from hf_triaccel.curvature.rules import FactorLayout, FisherRule, rule_for, statistic_writers
+from hf_triaccel.curvature.rules import FisherRule, rule_for, statistic_writers
 
 # model -> its collector; weak, and outside the model so that copies of the model
 # (EMA or teacher copies) do not carry it
@@ -141,15 +142,6 @@ class LayerFactors:
         self.last_sum = 0.0
         self.has_last = False
         self.pending_a.clear()
-
-
-@dataclass(frozen=True)
-class ParamFactors:
-    """What the update needs for one parameter: its two factor vectors and layout."""
-
-    g: torch.Tensor
-    a: torch.Tensor
-    layout: FactorLayout
 
 
 class FisherCollector:

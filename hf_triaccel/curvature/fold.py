@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_triaccel._types import EMA_MODES, NORMALISE_EPS
 from hf_triaccel.dispatch import resolve_impl
-
-EMA_MODES = ("reference", "paper")
-NORMALISE_EPS = 1e-6
 
 
 def minmax_normalise(x: torch.Tensor) -> torch.Tensor:

@@ -42,23 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_triaccel._types import FactorLayout
 from hf_triaccel.curvature.reductions import Reduction, reductions_for
-
-
-@dataclass(frozen=True)
-class FactorLayout:
-    """How the flat elements of one parameter index the ``g`` and ``a`` factor vectors."""
-
-    g_div: int
-    g_mod: int
-    a_div: int
-    a_mod: int
-    a_off: int = 0
-
-    def indices(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the (g index, a index) of every flat element (reference path)."""
-        k = torch.arange(numel, device=device)
-        return (k // self.g_div) % self.g_mod, (k // self.a_div) % self.a_mod + self.a_off
 
 
 def out_in_layout(d_out: int, d_in: int) -> FactorLayout:

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
-from hf_triaccel.curvature.fold import EMA_MODES
+from hf_triaccel._types import EMA_MODES
 from hf_triaccel.curvature.signals import SignalTracker
-from hf_triaccel.curvature.steering import StepSizeSteering
+from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.data.images import ImageTensors
 from hf_triaccel.dispatch import IMPLS
 from hf_triaccel.integrations.elastic import TrainerElasticBatch

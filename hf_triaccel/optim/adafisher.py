@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from hf_triaccel.curvature.collector import FisherCollector, ParamFactors
-from hf_triaccel.curvature.fold import EMA_MODES
+from hf_triaccel._types import EMA_MODES, ParamFactors
+from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.dispatch import resolve_impl, validate_impl
 from hf_triaccel.optim.functional import _check_args, prepare_adafisher
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_triaccel.curvature.collector import ParamFactors
+from hf_triaccel._types import ParamFactors
 from hf_triaccel.dispatch import resolve_impl
 
 

@@ -17,12 +17,13 @@ chose it (see :class:`~hf_triaccel.precision.controller.PrecisionController`).
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from hf_triaccel._types import is_normalisation
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,18 +34,6 @@ _ALIASES = {
     "half": "fp16",
     **{p: p for p in PRECISIONS},
 }
-
-_NORM_TYPES = (
-    nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.RMSNorm,
-    nn.LocalResponseNorm,
-)
-# normalisation layers of other libraries that do not subclass torch's (LlamaRMSNorm,
-# T5LayerNorm, timm's LayerNorm2d and BatchNormAct2d are all covered by the name)
-_NORM_NAME = re.compile(r"(Layer|Batch|Group|RMS|Instance)Norm")
-
 
 def as_precision(value: str | torch.dtype) -> str:
     """The canonical precision name of ``value`` (a name or a torch dtype).
@@ -62,16 +51,6 @@ def as_precision(value: str | torch.dtype) -> str:
     if key not in _ALIASES:
         raise ValueError(f"unknown precision {value!r}; choose one of {PRECISIONS}")
     return _ALIASES[key]
-
-
-def is_normalisation(module: nn.Module) -> bool:
-    """Whether ``module`` is a normalisation layer (kept in fp32).
-
-    Example:
-        >>> is_normalisation(nn.LayerNorm(4)), is_normalisation(nn.Linear(4, 4))
-        (True, False)
-    """
-    return isinstance(module, _NORM_TYPES) or bool(_NORM_NAME.search(type(module).__name__))
 
 
 @dataclass(frozen=True)

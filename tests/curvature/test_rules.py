@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_triaccel.curvature.collector import FisherCollector, ParamFactors
+from hf_triaccel._types import ParamFactors
+from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.rules import (
     ChannelNormRule,
     ConvRule,

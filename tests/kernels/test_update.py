@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hf_triaccel.curvature.collector import ParamFactors
+from hf_triaccel._types import ParamFactors
 from hf_triaccel.curvature.rules import (
     FactorLayout,
     in_out_layout,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_triaccel import AdaFisher, AdaFisherW, SignalTracker
-from hf_triaccel.curvature.steering import StepSizeSteering
+from hf_triaccel.optim.steering import StepSizeSteering
 
 
 def mlp() -> nn.Sequential:

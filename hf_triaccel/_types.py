@@ -1,0 +1,77 @@
+"""The types and constants that the kernels and the Python side share.
+
+This module is the leaf of the package: it imports only torch, so that
+``hf_triaccel.kernels`` can take tensors described here without importing the layers
+above it (see docs/design.md, "Layout").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+EMA_MODES = ("reference", "paper")
+"""The Fisher-factor EMA rules: ``"reference"`` (the published results) and ``"paper"``."""
+
+NORMALISE_EPS = 1e-6
+"""The epsilon of the min-max normalisation of a new Fisher statistic."""
+
+
+@dataclass(frozen=True)
+class FactorLayout:
+    """How the flat elements of one parameter index the ``g`` and ``a`` factor vectors.
+
+    Element ``k`` of the flattened parameter uses ``g[(k // g_div) % g_mod]`` and
+    ``a[(k // a_div) % a_mod + a_off]``.
+
+    Example:
+        >>> layout = FactorLayout(g_div=3, g_mod=2, a_div=1, a_mod=3)  # a (2, 3) weight
+        >>> [t.tolist() for t in layout.indices(6, torch.device("cpu"))]
+        [[0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2]]
+    """
+
+    g_div: int
+    g_mod: int
+    a_div: int
+    a_mod: int
+    a_off: int = 0
+
+    def indices(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the (g index, a index) of every flat element (reference path)."""
+        k = torch.arange(numel, device=device)
+        return (k // self.g_div) % self.g_mod, (k // self.a_div) % self.a_mod + self.a_off
+
+
+@dataclass(frozen=True)
+class ParamFactors:
+    """What the update needs for one parameter: its two factor vectors and layout."""
+
+    g: torch.Tensor
+    a: torch.Tensor
+    layout: FactorLayout
+
+
+_NORM_TYPES = (
+    nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+)
+# normalisation layers of other libraries that do not subclass torch's (LlamaRMSNorm,
+# T5LayerNorm, timm's LayerNorm2d and BatchNormAct2d are all covered by the name)
+_NORM_NAME = re.compile(r"(Layer|Batch|Group|RMS|Instance)Norm")
+
+
+def is_normalisation(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalisation layer: the one definition the package uses
+    (kept in fp32 by the precision policy, never weight-decayed).
+
+    Example:
+        >>> is_normalisation(nn.LayerNorm(4)), is_normalisation(nn.Linear(4, 4))
+        (True, False)
+    """
+    return isinstance(module, _NORM_TYPES) or bool(_NORM_NAME.search(type(module).__name__))
