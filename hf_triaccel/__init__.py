@@ -10,10 +10,10 @@ Example:
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.rules import FactorLayout, FisherRule, register_fisher_rule
 from hf_triaccel.curvature.signals import SignalTracker
-from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.memory import ElasticBatchController, checkpoint_largest_blocks
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
 from hf_triaccel.optim.functional import adafisher
+from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.precision import PrecisionController, PrecisionPolicy, PrecisionRule
 
 __version__ = "0.1.0"

@@ -20,12 +20,12 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
 
-from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel._types import EMA_MODES
+from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.signals import SignalTracker
-from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.dispatch import validate_impl
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.precision import PrecisionController, PrecisionPolicy
 
 OPTIMIZERS = {"adafisher": AdaFisher, "adafisherw": AdaFisherW}

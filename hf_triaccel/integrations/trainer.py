@@ -21,13 +21,13 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArgu
 
 from hf_triaccel._types import EMA_MODES
 from hf_triaccel.curvature.signals import SignalTracker
-from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.data.images import ImageTensors
 from hf_triaccel.dispatch import IMPLS
 from hf_triaccel.integrations.elastic import TrainerElasticBatch
 from hf_triaccel.integrations.plugin import OPTIMIZERS, TriAccelPlugin, check_distributed_support
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
 from hf_triaccel.integrations.trainer_data import DeviceImageDataLoader
+from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.precision import PrecisionController, PrecisionPolicy, plot_precision_map
 
 logger = logging.getLogger(__name__)
