@@ -1,17 +1,8 @@
-"""Test set-up shared by every test module.
+"""Test set-up shared by every test module (the root conftest.py has already imported the
+installed package and set up Triton's CPU interpreter where there is no GPU)."""
 
-Without a GPU, Triton kernels run under Triton's CPU interpreter. The variable must be
-set before Triton is first imported, which is why it is set here, at collection time.
-"""
-
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture
