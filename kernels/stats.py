@@ -11,13 +11,18 @@ adds the rows in a fixed order, so results are bitwise reproducible from run to 
 accumulated with no operation besides the one or two launches.
 
 :func:`fold_triton` folds every Fisher factor of a model in a single launch: one
-program per factor, addressed through a device table of data pointers.
+program per factor, addressed through a device table of data pointers
+(:func:`fold_table`).
+
+Over 400 lines: the two reductions, their finishing pass, the epilogue they share and
+the launch geometry are one unit of about 430 lines, and the fold kernel, which consumes
+what they produce, stays beside them; every kernel keeps its launcher and checks next to
+it.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 
 import torch
 import triton
@@ -42,7 +47,6 @@ _INTERPRETED_PROGRAMS = 8
 _FINISH_BLOCK_N = 128
 _FOLD_BLOCK = 4096
 _FOLD_NUM_WARPS = 16
-_FOLD_TABLE_CACHE_SIZE = 8
 
 
 @triton.jit
@@ -517,13 +521,12 @@ def _fold_kernel(table_ptr, a, b, PAPER: tl.constexpr, EPS: tl.constexpr, BLOCK:
             tl.store(used_ptr + offs, ema, mask=mask & separate)
 
 
-_fold_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-
-
 def _check_factors(
     emas: list[torch.Tensor], news: list[torch.Tensor], useds: list[torch.Tensor]
 ) -> None:
     """Raises ``ValueError`` unless the kernel can address every factor as it assumes."""
+    if not (len(emas) == len(news) == len(useds)):
+        raise ValueError("emas, news and useds differ in length")
     device = emas[0].device
     for i, group in enumerate(zip(emas, news, useds, strict=True)):
         for t in group:
@@ -536,72 +539,65 @@ def _check_factors(
                 raise ValueError(f"factor {i}: tensors differ in device or length")
 
 
-def _fold_table(
+def fold_table(
     emas: list[torch.Tensor], news: list[torch.Tensor], useds: list[torch.Tensor]
 ) -> torch.Tensor:
-    """The (factors, 4) int64 device table of the fold kernel, cached on its contents.
+    """The (factors, 4) int64 device table that :func:`fold_triton` reads: the addresses
+    of each factor's ema, new and used tensors and their length.
 
-    The factors are the optimizer's long-lived state and the statistics are mostly
-    reallocated at the same addresses from step to step, so a small least-recently-used
-    cache saves both the host-to-device copy and, since the tensors are checked only
-    when a table is built, a per-tensor Python check that costs more than the kernel.
+    The table holds addresses, not references: the caller keeps the tensors alive, where
+    they are, for as long as it uses the table. Building it checks the tensors and copies
+    it to the device, which costs more host time than the kernel, so a caller that folds
+    the same tensors again keeps it.
+
+    Raises:
+        ValueError: no factors, lists of different lengths, or tensors the kernel cannot
+            address (not float32, not contiguous 1-D, lengths or devices that differ
+            within a factor).
+
+    Example:
+        >>> ema, new = torch.zeros(3), torch.ones(3)
+        >>> fold_table([ema], [new], [ema])[0, 3].item()
+        3
     """
+    if not emas:
+        raise ValueError("fold_table needs at least one factor")
+    _check_factors(emas, news, useds)
     rows = [
         (e.data_ptr(), w.data_ptr(), u.data_ptr(), e.numel())
         for e, w, u in zip(emas, news, useds, strict=True)
     ]
     device = emas[0].device
-    key = (device, tuple(rows))
-    table = _fold_tables.get(key)
-    if table is not None:
-        _fold_tables.move_to_end(key)
-        return table
-    _check_factors(emas, news, useds)
     host = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-    table = host.to(device, non_blocking=True)
-    _fold_tables[key] = table
-    if len(_fold_tables) > _FOLD_TABLE_CACHE_SIZE:
-        _fold_tables.popitem(last=False)
-    return table
+    return host.to(device, non_blocking=True)
 
 
-def fold_triton(
-    emas: list[torch.Tensor],
-    news: list[torch.Tensor],
-    useds: list[torch.Tensor],
-    mode: str,
-    gamma: float,
-) -> None:
-    """Folds each ``news[i]`` into ``emas[i]`` and refreshes ``useds[i]``, in one launch.
+def fold_triton(table: torch.Tensor, mode: str, gamma: float) -> None:
+    """Folds every factor of ``table`` (see :func:`fold_table`) in one launch: each new
+    statistic into its running factor, refreshing the factor the update uses.
 
     Same result as :func:`hf_triaccel.curvature.fold.fold_reference` applied to every
-    factor; ``useds[i]`` may be ``emas[i]`` itself.
+    factor; a factor's used tensor may be its ema itself.
 
     Args:
-        emas: running factors (contiguous 1-D float32), updated in place.
-        news: new statistics, one per factor, same lengths.
-        useds: where the factors used by the update go.
+        table: the factors' table, from :func:`fold_table`.
         mode: ``"reference"`` or ``"paper"``.
         gamma: EMA decay.
 
     Raises:
-        ValueError: unknown ``mode``, or tensors the kernel cannot address (not float32,
-            not contiguous 1-D, lengths or devices that differ within a factor).
+        ValueError: unknown ``mode``.
 
     Example:
         >>> ema, new = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
-        >>> fold_triton([ema], [new], [ema], "reference", 1.0)
+        >>> fold_triton(fold_table([ema], [new], [ema]), "reference", 1.0)
         >>> ema
         tensor([0.0000, 0.0050, 0.0100])
     """
     if mode not in EMA_MODES:
         raise ValueError(f"ema={mode!r} is not one of {EMA_MODES}")
-    if not emas:
-        return
     paper = mode == "paper"
     a, b = (gamma, 1.0 - gamma) if paper else (0.1 * gamma, 0.01 * gamma)
-    table = _fold_table(emas, news, useds)
-    _fold_kernel[(len(emas),)](
+    _fold_kernel[(table.shape[0],)](
         table,
         a,
         b,

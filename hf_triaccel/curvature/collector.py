@@ -8,13 +8,11 @@ optimizer's decision. Factors are saved by layer name.
 
 A refresh step runs the hooks of every layer, so they are kept to the device work
 itself: each writes its statistic straight into a preallocated buffer of the layer
-through the rule's fast path (:meth:`FisherRule.a_write` / :meth:`FisherRule.g_add`:
-one or two kernel launches and, for some layers, one more operation), with no
-allocation, host synchronisation or per-call shape arithmetic once a layer has seen
-its input shape. The activation statistic of a forward waits in a *slot* until the
-gradient of that forward's output arrives (a forward that no backward follows must
-leave no trace); the first slot is the layer's ``a_sum`` itself, so with one
-micro-batch per optimizer step nothing is copied. Whatever is linear in the
+(:class:`~hf_triaccel.curvature.layer.LayerFactors`) through its rule
+(:meth:`FisherRule.a_write` / :meth:`FisherRule.g_write`: for the built-in rules, one or
+two kernel launches and, for some layers, one more operation), with no allocation, host
+synchronisation or per-call shape arithmetic once a layer has seen its input shape.
+Whatever is linear in the
 micro-batches and the same for all of them (merging the slots of several micro-batches,
 the constant entries of ``a``, the average over micro-batches, the loss scale) is left
 to :meth:`FisherCollector.fold`, once per refresh, in batched operations over all layers.
@@ -24,124 +22,23 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from hf_triaccel._types import FactorLayout, ParamFactors
-from hf_triaccel.curvature.fold import fold_factors
-from hf_triaccel.curvature.rules import FisherRule, rule_for, statistic_writers
+from hf_triaccel._types import EMA_MODES, ParamFactors
+from hf_triaccel.curvature.fold import FactorFold
+from hf_triaccel.curvature.layer import LayerFactors, PendingStatistic
+from hf_triaccel.curvature.rules import FisherRule, rule_for
+
+# Sets of ready layers whose folds are kept: all layers, usually; a model whose layers
+# take turns (a mixture of experts) must not pile up folds.
+_MAX_FOLD_SETS = 8
 
 # model -> its collector; weak, and outside the model so that copies of the model
 # (EMA or teacher copies) do not carry it
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, FisherCollector] = weakref.WeakKeyDictionary()
-
-
-class _Pending:
-    """One forward's activation statistic, from the forward until its gradient arrives.
-
-    The layer keeps only a weak reference: once the autograd graph that would have
-    delivered the gradient is gone, so is this record, and its slot is free again.
-    """
-
-    __slots__ = ("slot", "last", "__weakref__")
-
-    def __init__(self, slot: int, last: float | None) -> None:
-        self.slot = slot
-        self.last = last  # the value of a's last entry, left to the fold (None: none)
-
-
-@dataclass
-class LayerFactors:
-    """Factors of one module.
-
-    ``a`` and ``g`` are what the preconditioner reads; ``a_ema`` / ``g_ema`` the
-    running averages (the same tensors in ``ema="reference"`` mode). ``a_sum`` /
-    ``g_sum`` are where the statistics of the current optimizer step are gathered over
-    its micro-batches; complete only inside :meth:`FisherCollector.fold` (read
-    :meth:`accumulated` in between). ``a_count`` / ``g_count`` count the micro-batches.
-    ``output_module`` is where the output gradient is taken (the module itself, or a
-    submodule before a fused activation); ``pending_a`` holds the records of forwards
-    whose output hook has not run yet.
-    """
-
-    name: str
-    module: nn.Module
-    rule: FisherRule
-    layouts: dict[str, FactorLayout]
-    a_ema: torch.Tensor
-    g_ema: torch.Tensor
-    a: torch.Tensor
-    g: torch.Tensor
-    a_sum: torch.Tensor
-    g_sum: torch.Tensor
-    output_module: nn.Module | None = None
-    a_count: int = 0
-    g_count: int = 0
-    pending_a: list[_Pending] = field(default_factory=list)
-    handles: list[RemovableHandle] = field(default_factory=list)
-    # Activation statistics of forwards: slot 0 is a_sum itself, more are allocated when
-    # several forwards await their gradient, or several micro-batches are gathered.
-    slots: list[torch.Tensor] = field(default_factory=list)
-    owners: list[weakref.ref | None] = field(default_factory=list)
-    confirmed: list[int] = field(default_factory=list)  # slots whose gradient arrived
-    last_sum: float = 0.0  # sum over confirmed micro-batches of a's last entry
-    has_last: bool = False  # the rule leaves a's last entry to the fold
-    last_written: float | None = None  # the value a_sum's last entry holds now
-    anchor: str = ""  # an owned parameter's name: where it is, the factors must be
-    cache: dict[Any, Any] = field(default_factory=dict)  # the rule's per-shape state
-    a_write: Callable[..., float | None] | None = None  # see statistic_writers
-    g_add: Callable[..., None] | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.module.parameters()).device
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.a_ema, self.g_ema, self.a, self.g, self.a_sum, self.g_sum]
-
-    def free_slot(self) -> int:
-        """A slot that no confirmed statistic and no live forward holds."""
-        for i, owner in enumerate(self.owners):
-            if (owner is None or owner() is None) and i not in self.confirmed:
-                return i
-        self.slots.append(torch.zeros_like(self.a_sum))
-        self.owners.append(None)
-        return len(self.slots) - 1
-
-    def confirm(self, pending: _Pending) -> None:
-        """Counts a forward whose output gradient arrived."""
-        self.confirmed.append(pending.slot)
-        if pending.last is not None:
-            self.last_sum += pending.last
-            self.has_last = True
-        self.a_count += 1
-
-    def accumulated(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sums over the micro-batches since the last fold of the ``a`` and ``g``
-        statistics (new tensors; zeros before any). For inspection: the fold does not
-        need them materialised."""
-        a = torch.zeros_like(self.a_sum)
-        for i in self.confirmed:
-            a += self.slots[i]
-        if self.has_last:
-            a[-1] = self.last_sum
-        g = self.g_sum.clone() if self.g_count else torch.zeros_like(self.g_sum)
-        return a, g
-
-    def reset(self) -> None:
-        """Forgets the statistics gathered since the last fold (slots of forwards still
-        waiting for their gradient stay reserved)."""
-        self.a_count = self.g_count = 0
-        self.confirmed.clear()
-        self.last_sum = 0.0
-        self.has_last = False
-        self.pending_a.clear()
 
 
 class FisherCollector:
@@ -178,8 +75,8 @@ class FisherCollector:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if ema not in ("reference", "paper"):
-            raise ValueError(f"ema={ema!r} is not one of ('reference', 'paper')")
+        if ema not in EMA_MODES:
+            raise ValueError(f"ema={ema!r} is not one of {EMA_MODES}")
         previous = _ATTACHED.get(model)
         if previous is not None and previous.attached:
             warnings.warn(
@@ -195,8 +92,8 @@ class FisherCollector:
         self.generation = 0
         self.layers: dict[str, LayerFactors] = {}
         self._by_param: dict[nn.Parameter, ParamFactors] = {}
-        # fold_factors' argument lists for a fold of every layer, and the generation they hold
-        self._fold_lists: tuple[int, list[list[list[torch.Tensor]]]] | None = None
+        # the folds of each set of ready layers, valid for the generation they were made in
+        self._fold_cache: tuple[int, dict[tuple[str, ...], list[FactorFold]]] = (0, {})
         unknown = set(exclude) - {n for n, _ in model.named_modules()}
         if unknown:
             raise ValueError(f"exclude names modules the model does not have: {sorted(unknown)}")
@@ -229,7 +126,6 @@ class FisherCollector:
         a_ema = seed(a_len, device=device)
         g_ema = seed(g_len, device=device)
         a_sum = torch.zeros(a_len, device=device)
-        a_write, g_add = statistic_writers(rule)
         layer = LayerFactors(
             name=name,
             module=module,
@@ -245,8 +141,6 @@ class FisherCollector:
             slots=[a_sum],
             owners=[None],
             anchor=anchor,
-            a_write=a_write,
-            g_add=g_add,
         )
         layer.handles.append(
             module.register_forward_pre_hook(self._pre_hook(layer), with_kwargs=True)
@@ -281,8 +175,8 @@ class FisherCollector:
             if layer.a_sum.device != device:  # the model moved since the last call
                 self._move(layer, device)
             slot = layer.free_slot()
-            last = layer.a_write(module, x.detach(), layer.slots[slot], self.impl, layer.cache)
-            pending = _Pending(slot, last)
+            last = layer.rule.a_write(module, x.detach(), layer.slots[slot], self.impl, layer.cache)
+            pending = PendingStatistic(slot, last)
             layer.owners[slot] = weakref.ref(pending)
             layer.pending_a.append(pending)
 
@@ -307,7 +201,9 @@ class FisherCollector:
                 if grad.requires_grad:  # a backward that builds a graph (create_graph)
                     grad = grad.detach()
                 accumulate = layer.g_count > 0
-                layer.g_add(layer.module, grad, layer.g_sum, accumulate, self.impl, layer.cache)
+                layer.rule.g_write(
+                    layer.module, grad, layer.g_sum, accumulate, self.impl, layer.cache
+                )
                 layer.g_count += 1
 
             output.register_hook(grad_hook)
@@ -362,8 +258,8 @@ class FisherCollector:
             g_scale = g_scale * scaler._scale.double().square().float()
         if not isinstance(g_scale, float) or g_scale != 1.0:
             torch._foreach_div_([ly.g_sum for ly in ready], g_scale)
-        for emas, news, useds in self._fold_groups(ready):
-            fold_factors(emas, news, useds, self.ema, gamma, self.impl)
+        for fold in self._folds(ready):
+            fold(self.ema, gamma)
 
     @staticmethod
     def _merge_slots(ready: list[LayerFactors]) -> None:
@@ -421,23 +317,24 @@ class FisherCollector:
         torch._foreach_div_(sums, list(counts.unbind()))
         return g_scale
 
-    def _fold_groups(self, ready: list[LayerFactors]) -> list[list[list[torch.Tensor]]]:
-        """(emas, news, useds) per device for :func:`fold_factors`; cached while every
-        layer is ready (the usual case) and no tensor moved."""
-        cached = self._fold_lists
-        every = len(ready) == len(self.layers)
-        if every and cached is not None and cached[0] == self.generation:
-            return cached[1]
-        by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
-        for ly in ready:
-            emas, news, useds = by_device.setdefault(ly.a_ema.device, [[], [], []])
-            emas += (ly.a_ema, ly.g_ema)
-            news += (ly.a_sum, ly.g_sum)
-            useds += (ly.a, ly.g)
-        groups = list(by_device.values())
-        if every:
-            self._fold_lists = (self.generation, groups)
-        return groups
+    def _folds(self, ready: list[LayerFactors]) -> list[FactorFold]:
+        """One :class:`FactorFold` per device for the ``ready`` layers: the fold's one
+        cache, kept per set of ready layers (usually all of them) until a tensor moves."""
+        if self._fold_cache[0] != self.generation:
+            self._fold_cache = (self.generation, {})
+        folds = self._fold_cache[1]
+        key = tuple(ly.name for ly in ready)
+        if key not in folds:
+            by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
+            for ly in ready:
+                emas, news, useds = by_device.setdefault(ly.a_ema.device, [[], [], []])
+                emas += (ly.a_ema, ly.g_ema)
+                news += (ly.a_sum, ly.g_sum)
+                useds += (ly.a, ly.g)
+            if len(folds) >= _MAX_FOLD_SETS:
+                del folds[next(iter(folds))]
+            folds[key] = [FactorFold(*lists, impl=self.impl) for lists in by_device.values()]
+        return folds[key]
 
     @staticmethod
     def _all_reduce(tensors: list[torch.Tensor]) -> float:

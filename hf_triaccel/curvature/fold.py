@@ -1,4 +1,4 @@
-"""Folding a new Fisher statistic into its running factor (DESIGN.md section 3).
+"""Folding a new Fisher statistic into its running factor (docs/design.md, "AdaFisher").
 
 ``ema="reference"`` (the published AdaFisher rule, refreshed every ``update_every`` steps)::
 
@@ -57,6 +57,59 @@ def fold_reference(
         raise ValueError(f"ema={mode!r} is not one of {EMA_MODES}")
 
 
+class FactorFold:
+    """Folds a fixed list of statistics into their factors, all on one device.
+
+    Made once for tensors that stay where they are (the collector's factors and
+    accumulators) and called at every refresh: the implementation is resolved, and for the
+    Triton kernel its table of the tensors' addresses built and checked, only here. This
+    object is the fold's one cache; it holds the tensors, so their addresses stay valid.
+
+    Args:
+        emas: running factors (contiguous 1-D float32), updated in place.
+        news: new statistics, one per factor, same lengths.
+        useds: where the factors used by the update go (``useds[i]`` may be ``emas[i]``).
+        impl: implementation (see :mod:`hf_triaccel.dispatch`).
+
+    Example:
+        >>> ema, new = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
+        >>> fold = FactorFold([ema], [new], [ema], impl="reference")
+        >>> fold("reference", gamma=1.0)
+        >>> ema
+        tensor([0.0000, 0.0050, 0.0100])
+    """
+
+    def __init__(
+        self,
+        emas: list[torch.Tensor],
+        news: list[torch.Tensor],
+        useds: list[torch.Tensor],
+        impl: str | None = None,
+    ) -> None:
+        if not (len(emas) == len(news) == len(useds)):
+            raise ValueError(
+                f"emas, news and useds differ in length: {len(emas)}, {len(news)}, {len(useds)}"
+            )
+        self.factors = list(zip(emas, news, useds, strict=True))
+        self.table: torch.Tensor | None = None
+        if emas and resolve_impl(impl, emas[0].device) == "triton":
+            from hf_triaccel.kernels.stats import fold_table
+
+            self.table = fold_table(emas, news, useds)
+
+    def __call__(self, mode: str, gamma: float) -> None:
+        """Folds every statistic into its factor with the EMA rule ``mode``."""
+        if mode not in EMA_MODES:
+            raise ValueError(f"ema={mode!r} is not one of {EMA_MODES}")
+        if self.table is not None:
+            from hf_triaccel.kernels.stats import fold_triton
+
+            fold_triton(self.table, mode, gamma)
+            return
+        for ema, new, used in self.factors:
+            fold_reference(ema, new, used, mode, gamma)
+
+
 def fold_factors(
     emas: list[torch.Tensor],
     news: list[torch.Tensor],
@@ -65,18 +118,16 @@ def fold_factors(
     gamma: float,
     impl: str | None = None,
 ) -> None:
-    """Folds each ``news[i]`` into ``emas[i]`` (and ``useds[i]``), all on one device.
+    """Folds each ``news[i]`` into ``emas[i]`` (and ``useds[i]``), all on one device, once
+    (see :class:`FactorFold` for a fold that repeats). The Triton path does every factor in
+    one launch; the others loop.
 
-    The Triton path does every factor in one launch; the others loop.
+    Example:
+        >>> ema, new, used = torch.zeros(2), torch.tensor([2.0, 4.0]), torch.zeros(2)
+        >>> fold_factors([ema], [new], [used], "paper", gamma=0.5, impl="reference")
+        >>> ema, used
+        (tensor([1., 2.]), tensor([0.0000, 1.0000]))
     """
-    if not emas:
-        return
     if mode not in EMA_MODES:
         raise ValueError(f"ema={mode!r} is not one of {EMA_MODES}")
-    if resolve_impl(impl, emas[0].device) == "triton":
-        from hf_triaccel.kernels.stats import fold_triton
-
-        fold_triton(emas, news, useds, mode, gamma)
-        return
-    for ema, new, used in zip(emas, news, useds, strict=True):
-        fold_reference(ema, new, used, mode, gamma)
+    FactorFold(emas, news, useds, impl)(mode, gamma)

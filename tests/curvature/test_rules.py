@@ -1,4 +1,5 @@
-"""Fisher statistics of every rule against float64 oracles written from DESIGN.md section 3.
+"""Fisher statistics of every rule against float64 oracles written from the formulas of
+docs/design.md ("AdaFisher as implemented").
 
 Each oracle below is a brute-force computation (explicit unfold, one-hot, plain sums)
 that shares no code with :mod:`hf_triaccel.curvature.rules`.
@@ -24,6 +25,9 @@ from hf_triaccel.curvature.rules import (
     HFConv1DRule,
     LastDimNormRule,
     LinearRule,
+    a_statistic,
+    g_statistic,
+    register_fisher_rule,
     rule_for,
 )
 from hf_triaccel.optim.functional import preconditioner
@@ -50,8 +54,8 @@ def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5, atol
 def stats(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, impl: str = "reference"):
     rule = rule_for(module)
     assert rule is not None, type(module).__name__
-    a = rule.a_stat(module, x, impl)
-    g = rule.g_stat(module, grad, impl)
+    a = a_statistic(rule, module, x, impl)
+    g = g_statistic(rule, module, grad, impl)
     a_len, g_len = rule.sizes(module)
     assert a.shape == (a_len,) and g.shape == (g_len,)
     return a, g
@@ -176,7 +180,7 @@ def test_conv2d_a_matches_unfold(kernel, groups, padding_mode):
         conv = nn.Conv2d(
             c_in, c_out, kernel, stride, padding, dilation, groups, bias, padding_mode=padding_mode
         )
-        a = rule_for(conv).a_stat(conv, x, "reference")
+        a = a_statistic(rule_for(conv), conv, x, "reference")
         assert a.shape == (rule_for(conv).sizes(conv)[0],)
         close(a, conv_oracle(conv, x))
         n += 1
@@ -188,12 +192,12 @@ def test_conv2d_a_foreach_and_unbatched():
     conv = nn.Conv2d(3, 5, (3, 2), stride=2, padding=1, dilation=(2, 1))
     x = torch.randn(2, 3, 9, 7)
     expected = conv_oracle(conv, x)
-    close(rule_for(conv).a_stat(conv, x, "foreach"), expected)
+    close(a_statistic(rule_for(conv), conv, x, "foreach"), expected)
     # an unbatched (C, H, W) input is a batch of one
-    close(rule_for(conv).a_stat(conv, x[1], "reference"), conv_oracle(conv, x[1:]))
+    close(a_statistic(rule_for(conv), conv, x[1], "reference"), conv_oracle(conv, x[1:]))
     # different padding / stride / dilation per spatial dim
     conv = nn.Conv2d(3, 2, (2, 3), stride=(2, 1), padding=(2, 0), dilation=(1, 2))
-    close(rule_for(conv).a_stat(conv, x, "reference"), conv_oracle(conv, x))
+    close(a_statistic(rule_for(conv), conv, x, "reference"), conv_oracle(conv, x))
 
 
 @pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "circular"])
@@ -206,7 +210,7 @@ def test_conv1d_a_matches_unfold(padding_mode):
             conv = nn.Conv1d(
                 4, 8, k, stride, padding, dilation, groups, bias, padding_mode=padding_mode
             )
-            close(rule_for(conv).a_stat(conv, x, "reference"), conv_oracle(conv, x))
+            close(a_statistic(rule_for(conv), conv, x, "reference"), conv_oracle(conv, x))
             n += 1
     assert n == 9 * 36
 
@@ -227,7 +231,7 @@ def test_conv3d_a_matches_unfold_of_slices():
     rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], 1)
     L = math.prod(out_shape)
     expected = rows.square().sum(0) / (2 * L * 24)  # B * L * D, D = 2 * (2 * 3 * 2)
-    close(rule_for(conv).a_stat(conv, x.float(), "reference"), expected)
+    close(a_statistic(rule_for(conv), conv, x.float(), "reference"), expected)
 
 
 @pytest.mark.parametrize("conv", [nn.Conv2d(3, 5, 3, padding=1), nn.Conv1d(3, 5, 2, groups=1)])
@@ -236,7 +240,7 @@ def test_conv_g_is_mean_square_over_batch_and_positions(conv):
     x = torch.randn(2, 3, 6, 5) if isinstance(conv, nn.Conv2d) else torch.randn(2, 3, 8)
     grad = torch.randn_like(conv(x))
     for impl in ("reference", "foreach"):
-        close(rule_for(conv).g_stat(conv, grad, impl), conv_g_oracle(grad))
+        close(g_statistic(rule_for(conv), conv, grad, impl), conv_g_oracle(grad))
 
 
 def test_timm_conv2d_same_dynamic_padding():
@@ -259,7 +263,7 @@ def test_timm_conv2d_same_dynamic_padding():
             assert y.shape[-2:] == (math.ceil(8 / stride), math.ceil(10 / stride))
             if type(conv) is Conv2dSame:  # the oracle's padding is what forward does
                 torch.testing.assert_close(y, plain(F.pad(x, pads)))
-            a = rule_for(conv).a_stat(conv, x, "reference")
+            a = a_statistic(rule_for(conv), conv, x, "reference")
             close(a, conv_oracle(plain, F.pad(x, pads)))
 
 
@@ -275,27 +279,27 @@ def test_conv2d_a_channels_last_input(groups, impl):
     assert not x.is_contiguous()
     for stride, padding, dilation, bias in ((1, 1, 1, True), (2, 0, 2, False)):
         conv = nn.Conv2d(c_in, c_out, (3, 2), stride, padding, dilation, groups, bias)
-        close(rule_for(conv).a_stat(conv, x, impl), conv_oracle(conv, x))
+        close(a_statistic(rule_for(conv), conv, x, impl), conv_oracle(conv, x))
 
 
 def test_conv_a_gathers_taps_per_dim_past_the_selector_size(monkeypatch):
     """Past the size of one tap-by-position selector, taps are gathered per spatial dim."""
-    from hf_triaccel.curvature import rules
+    from hf_triaccel.curvature.rules import conv as rules
 
     torch.manual_seed(18)
     conv = nn.Conv2d(3, 4, 3, stride=2, padding=1, groups=1)
     x = torch.randn(2, 3, 9, 8)
     expected = conv_oracle(conv, x)
-    monkeypatch.setattr(rules, "_MAX_SELECTOR_ELEMENTS", 0)
-    close(rule_for(conv).a_stat(conv, x, "reference"), expected)
+    monkeypatch.setattr(rules, "MAX_SELECTOR_ELEMENTS", 0)
+    close(a_statistic(rule_for(conv), conv, x, "reference"), expected)
     xl = x.to(memory_format=torch.channels_last)
-    close(rule_for(conv).a_stat(conv, xl, "reference"), expected)
+    close(a_statistic(rule_for(conv), conv, xl, "reference"), expected)
 
 
 def test_conv_a_per_dim_gather_takes_a_permuted_einsum_result(monkeypatch):
     """einsum may return its result in a permuted memory order (CUDA does for the
     ViT patch embedding); the gathered statistic must not depend on it."""
-    from hf_triaccel.curvature import rules
+    from hf_triaccel.curvature.rules import conv as rules
 
     def permuted_einsum(*args):
         out = torch.functional.einsum(*args)
@@ -304,13 +308,13 @@ def test_conv_a_per_dim_gather_takes_a_permuted_einsum_result(monkeypatch):
     torch.manual_seed(19)
     conv = nn.Conv2d(3, 8, 4, stride=4, bias=True)
     x = torch.randn(2, 3, 16, 16)
-    monkeypatch.setattr(rules, "_MAX_SELECTOR_ELEMENTS", 0)
+    monkeypatch.setattr(rules, "MAX_SELECTOR_ELEMENTS", 0)
     monkeypatch.setattr(rules.torch, "einsum", permuted_einsum)
-    close(rule_for(conv).a_stat(conv, x, "reference"), conv_oracle(conv, x))
+    close(a_statistic(rule_for(conv), conv, x, "reference"), conv_oracle(conv, x))
 
 
 def test_fast_path_reuses_its_cache_and_leaves_the_last_entry():
-    """a_write / g_add: the statistic into a given buffer, the bias entry returned, the
+    """a_write / g_write: the statistic into a given buffer, the bias entry returned, the
     gradient statistic written then accumulated; a second call reuses the cached plan."""
     torch.manual_seed(19)
     rule, conv = rule_for(nn.Conv2d(3, 4, 3)), nn.Conv2d(3, 4, 3, padding=1)
@@ -325,42 +329,44 @@ def test_fast_path_reuses_its_cache_and_leaves_the_last_entry():
     assert len(cache) == n_plans
     close(out[:-1], conv_oracle(conv, x * 2)[:-1])
     g = torch.full((4,), 5.0)
-    rule.g_add(conv, grad, g, False, "reference", cache)
+    rule.g_write(conv, grad, g, False, "reference", cache)
     close(g, conv_g_oracle(grad))
-    rule.g_add(conv, grad, g, True, "reference", cache)
+    rule.g_write(conv, grad, g, True, "reference", cache)
     close(g, 2 * conv_g_oracle(grad))
 
 
-def test_a_subclass_overriding_a_statistic_keeps_its_override():
-    """A subclass of a built-in rule that changes a_stat only must not be bypassed by
-    the base's fast path."""
-    from hf_triaccel.curvature.rules import FisherRule, statistic_writers
+def test_a_subclass_overriding_a_statistic_is_what_the_collector_takes():
+    """One statistic API: a subclass of a built-in rule that changes a_write only is
+    called by the collector, and keeps its base's g_write."""
 
     class HalfLinearRule(LinearRule):
-        def a_stat(self, module, x, impl):
-            return super().a_stat(module, x, impl) / 2
+        def a_write(self, module, x, out, impl, cache):
+            last = super().a_write(module, x, out, impl, cache)
+            out.div_(2)
+            return last / 2
 
-    lin = nn.Linear(3, 2)
-    x = torch.randn(4, 3)
-    a_write, g_add = statistic_writers(HalfLinearRule())
-    out = torch.zeros(4)
-    assert a_write(lin, x, out, "reference", {}) is None
-    close(out, LinearRule().a_stat(lin, x, "reference") / 2)
-    assert g_add.__self__.__class__ is HalfLinearRule  # g_stat untouched: the fast path
-    a_fast, _ = statistic_writers(LinearRule())
-    assert a_fast.__func__ is LinearRule.a_write
-    a_generic, _ = statistic_writers(HalfLinearRule())
-    assert a_generic.func is FisherRule.a_write
+    class Half(nn.Linear):
+        pass
+
+    register_fisher_rule(Half, HalfLinearRule())
+    lin = Half(3, 2)
+    x, grad = torch.randn(4, 3), torch.randn(4, 2)
+    collector = FisherCollector(lin, impl="reference")
+    lin(x).backward(grad)
+    a, g = collector.layers[""].accumulated()
+    close(a, a_statistic(LinearRule(), lin, x, "reference") / 2)
+    close(g, g_statistic(LinearRule(), lin, grad, "reference"))
+    collector.remove()
 
 
 @pytest.mark.parametrize("per_dim", [False, True])
 def test_statistics_under_autocast_are_float32(per_dim, monkeypatch):
     """The tap gather and a norm layer's sum of squares are matrix products, which
     autocast would run in bfloat16."""
-    from hf_triaccel.curvature import rules
+    from hf_triaccel.curvature.rules import conv as rules
 
     if per_dim:
-        monkeypatch.setattr(rules, "_MAX_SELECTOR_ELEMENTS", 0)
+        monkeypatch.setattr(rules, "MAX_SELECTOR_ELEMENTS", 0)
     torch.manual_seed(20)
     model = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.BatchNorm2d(5))
     collector = FisherCollector(model, impl="reference")
@@ -385,7 +391,7 @@ def test_conv_a_under_float64_default_dtype():
     try:
         conv64 = nn.Conv2d(2, 3, 3, padding=1)
         conv64.load_state_dict(conv.state_dict())
-        a = rule_for(conv64).a_stat(conv64, x.double(), "reference")
+        a = a_statistic(rule_for(conv64), conv64, x.double(), "reference")
     finally:
         torch.set_default_dtype(old)
     torch.testing.assert_close(a.double(), expected, rtol=1e-5, atol=1e-7)
@@ -489,7 +495,7 @@ def test_layernorm_multi_dim_normalized_shape():
 def test_layernorm_shape_mismatch_is_a_clear_error():
     ln = nn.LayerNorm(4)
     with pytest.raises(ValueError, match="normalized_shape"):
-        rule_for(ln).g_stat(ln, torch.randn(2, 3, 5), "reference")
+        g_statistic(rule_for(ln), ln, torch.randn(2, 3, 5), "reference")
 
 
 def test_channels_first_layernorms():

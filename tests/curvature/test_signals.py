@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hf_triaccel.curvature.collector import FisherCollector
+from hf_triaccel.curvature.noise import noise_probes
 from hf_triaccel.curvature.rules import (
     FactorLayout,
     FisherRule,
@@ -19,7 +20,8 @@ from hf_triaccel.curvature.rules import (
     per_entry_layout,
     register_fisher_rule,
 )
-from hf_triaccel.curvature.signals import SignalTracker, _kronecker_term, _Term, top_share
+from hf_triaccel.curvature.signals import SignalTracker
+from hf_triaccel.curvature.terms import FactorTerm, kronecker_term, top_share
 from hf_triaccel.optim.functional import preconditioner
 
 DAMPING = 1e-3
@@ -103,11 +105,11 @@ def brute_force(collector: FisherCollector, name: str) -> torch.Tensor:
 
 def test_kronecker_term_recognises_every_builtin_layout():
     g, a = torch.rand(5), torch.rand(8)
-    assert _kronecker_term(out_in_layout(5, 7), 35, g, a).mult == 1
-    assert _kronecker_term(in_out_layout(7, 5), 35, g, a).a.numel() == 7
-    bias = _kronecker_term(per_entry_layout(5, 7), 5, g, a)
+    assert kronecker_term(out_in_layout(5, 7), 35, g, a).mult == 1
+    assert kronecker_term(in_out_layout(7, 5), 35, g, a).a.numel() == 7
+    bias = kronecker_term(per_entry_layout(5, 7), 5, g, a)
     assert bias.a.tolist() == [a[7].item()]
-    assert _kronecker_term(FactorLayout(1, 3, 1, 4), 12, g, a) is None
+    assert kronecker_term(FactorLayout(1, 3, 1, 4), 12, g, a) is None
 
 
 def test_curvature_and_concentration_match_the_materialised_preconditioner():
@@ -142,21 +144,21 @@ def test_top_share_with_multiplicity_equals_repeated_entries():
     repeated = torch.outer(g, a).flatten().repeat(5).double()
     k = math.ceil(0.3 * repeated.numel())
     expected = repeated.sort(descending=True).values[:k].sum() / repeated.sum()
-    got = top_share([_Term(g, a, 5)], repeated.numel(), 0.3)
+    got = top_share([FactorTerm(g, a, 5)], repeated.numel(), 0.3)
     assert got.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 def test_top_shares_of_many_modules_match_one_at_a_time_in_any_chunking(monkeypatch):
-    from hf_triaccel.curvature import signals
+    from hf_triaccel.curvature import terms as term_maths
 
     modules = []
     for rows, cols, mult in ((3, 40, 1), (7, 2, 3), (1, 9, 1), (16, 16, 2)):
         g, a = torch.rand(rows), torch.rand(cols)
-        bias = _Term(torch.rand(1), torch.rand(rows), 1)
-        modules.append(([_Term(g, a, mult), bias], rows * cols * mult + rows))
-    whole = signals.top_shares(modules, 0.2)
-    monkeypatch.setattr(signals, "_SEARCH_BLOCK", 1)  # one term per chunk
-    chunked = signals.top_shares(modules, 0.2)
+        bias = FactorTerm(torch.rand(1), torch.rand(rows), 1)
+        modules.append(([FactorTerm(g, a, mult), bias], rows * cols * mult + rows))
+    whole = term_maths.top_shares(modules, 0.2)
+    monkeypatch.setattr(term_maths, "SEARCH_BLOCK", 1)  # one term per chunk
+    chunked = term_maths.top_shares(modules, 0.2)
     for i, (terms, total) in enumerate(modules):
         entries = torch.cat(
             [torch.outer(t.g, t.a).flatten().repeat(t.mult).double() for t in terms]
@@ -299,8 +301,7 @@ def test_noise_state_of_all_parameters_shares_three_buffers():
     """A probe per parameter, but one index and two EMA buffers in all: each tensor
     would otherwise take its own allocator block."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(4, 2))
-    tracker = SignalTracker(FisherCollector(model), noise_samples=5)
-    probes = list(tracker._probes.values())
+    probes = list(noise_probes(dict(model.named_parameters()), 5, torch.Generator()).values())
     assert len(probes) == 6
     for attr in ("index", "m1", "m2"):
         storages = {getattr(p, attr).untyped_storage().data_ptr() for p in probes}

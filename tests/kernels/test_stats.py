@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_triaccel.curvature.fold import fold_factors, fold_reference
+from hf_triaccel.curvature.fold import FactorFold, fold_factors, fold_reference
 from hf_triaccel.curvature.reductions import (
     channel_sum,
     channel_sum_reference,
@@ -17,7 +17,7 @@ from hf_triaccel.curvature.reductions import (
     sum_rows_reference,
 )
 from hf_triaccel.kernels import stats
-from hf_triaccel.kernels.stats import channel_sum_triton, fold_triton, sum_rows_triton
+from hf_triaccel.kernels.stats import channel_sum_triton, fold_table, fold_triton, sum_rows_triton
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -234,8 +234,9 @@ def run_both(lengths, mode, alias, gamma=0.9, steps=1):
     useds = [e if a else torch.full_like(e, -1.0) for e, a in zip(emas, alias, strict=True)]
     ref_emas = [e.clone() for e in emas]
     ref_useds = [r if a else u.clone() for r, u, a in zip(ref_emas, useds, alias, strict=True)]
+    table = fold_table(emas, news, useds)
     for _ in range(steps):
-        fold_triton(emas, news, useds, mode, gamma)
+        fold_triton(table, mode, gamma)
         for e, w, u in zip(ref_emas, news, ref_useds, strict=True):
             fold_reference(e, w, u, mode, gamma)
     for got, ref in zip(emas + useds, ref_emas + ref_useds, strict=True):
@@ -251,7 +252,7 @@ def test_fold_matches_reference(mode, aliased):
 
 @pytest.mark.parametrize("mode", ["reference", "paper"])
 def test_fold_mixed_aliasing_repeated(mode):
-    # a second step reuses the cached pointer table
+    # a second step reuses the table
     run_both(FOLD_LENGTHS, mode, [True, False, True, False], gamma=0.8, steps=2)
 
 
@@ -259,7 +260,7 @@ def test_fold_nonfinite_mapping():
     # reference mode, used separate: used = 0.01 * normalise(new) with ema 0 and gamma 1
     new = torch.tensor([1.0, float("inf"), 3.0, float("-inf"), float("nan"), 2.0])
     ema, used = torch.zeros(6), torch.empty(6)
-    fold_triton([ema], [new], [used], "reference", 1.0)
+    fold_triton(fold_table([ema], [new], [used]), "reference", 1.0)
     expected = 0.01 * torch.tensor([0.0, 1.0, 2.0 / (2.0 + 1e-6), 0.0, 0.0, 1.0 / (2.0 + 1e-6)])
     torch.testing.assert_close(used, expected)
     torch.testing.assert_close(ema, expected)
@@ -278,12 +279,36 @@ def test_fold_factors_dispatch_reaches_triton():
 def test_fold_rejects_bad_input():
     ema, new = torch.zeros(4), torch.ones(4)
     with pytest.raises(ValueError, match="one of"):
-        fold_triton([ema], [new], [ema], "bogus", 0.9)
+        fold_triton(fold_table([ema], [new], [ema]), "bogus", 0.9)
     with pytest.raises(ValueError, match="float32"):
-        fold_triton([ema], [new.double()], [ema], "paper", 0.9)
+        fold_table([ema], [new.double()], [ema])
     with pytest.raises(ValueError, match="length"):
-        fold_triton([ema], [torch.ones(5)], [ema], "paper", 0.9)
-    fold_triton([], [], [], "paper", 0.9)  # nothing to do
+        fold_table([ema], [torch.ones(5)], [ema])
+    with pytest.raises(ValueError, match="length"):
+        fold_table([ema], [new, new], [ema])
+    with pytest.raises(ValueError, match="at least one"):
+        fold_table([], [], [])
+    with pytest.raises(ValueError, match="one of"):
+        fold_factors([ema], [new], [ema], "bogus", 0.9, impl="triton")
+    fold_factors([], [], [], "paper", 0.9, impl="triton")  # nothing to do
+
+
+def test_a_fold_made_once_folds_the_tensors_it_was_made_for():
+    """FactorFold builds the kernel's table once; later folds read the same tensors,
+    whatever their contents became in between."""
+    emas, news = fold_inputs(FOLD_LENGTHS)
+    fold = FactorFold(emas, news, emas, impl="triton")
+    assert fold.table is not None
+    ref = [e.clone() for e in emas]
+    for _ in range(2):
+        for w in news:
+            w.mul_(1.5)  # new statistics written in place, as the collector's hooks do
+        fold("reference", 0.9)
+        for e, w in zip(ref, news, strict=True):
+            fold_reference(e, w, e, "reference", 0.9)
+        for got, want in zip(emas, ref, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert FactorFold(emas, news, emas, impl="reference").table is None
 
 
 # ---------------------------------------------------------------- GPU, training sizes
@@ -324,8 +349,9 @@ def test_gpu_fold(mode, device):
     useds = [e if i % 3 == 0 else torch.empty_like(e) for i, e in enumerate(emas)]
     ref_emas = [e.clone() for e in emas]
     ref_useds = [r if u is e else u.clone() for r, u, e in zip(ref_emas, useds, emas, strict=True)]
+    table = fold_table(emas, news, useds)
     for _ in range(2):
-        fold_triton(emas, news, useds, mode, 0.95)
+        fold_triton(table, mode, 0.95)
         for e, w, u in zip(ref_emas, news, ref_useds, strict=True):
             fold_reference(e, w, u, mode, 0.95)
     for got, ref in zip(emas + useds, ref_emas + ref_useds, strict=True):

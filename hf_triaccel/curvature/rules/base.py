@@ -1,0 +1,170 @@
+"""The rule API: what a module kind tells the collector about its Fisher factors.
+
+A :class:`FisherRule` gives, for one kind of module, the lengths of its two factor vectors
+(``a`` from the layer input, ``g`` from the gradient of its output), how each of the
+module's parameters indexes them (:class:`~hf_triaccel._types.FactorLayout`), and how one
+micro-batch's statistic of each is written into a buffer the caller owns. That is the only
+way statistics are taken: :func:`a_statistic` / :func:`g_statistic` call the same methods
+into new tensors, for inspection and tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_triaccel._types import FactorLayout
+
+
+def out_in_layout(d_out: int, d_in: int) -> FactorLayout:
+    """Weight stored (d_out, d_in...): g over rows, a over columns.
+
+    Example:
+        >>> out_in_layout(2, 3)
+        FactorLayout(g_div=3, g_mod=2, a_div=1, a_mod=3, a_off=0)
+    """
+    return FactorLayout(g_div=d_in, g_mod=d_out, a_div=1, a_mod=d_in)
+
+
+def in_out_layout(d_in: int, d_out: int) -> FactorLayout:
+    """Weight stored (d_in, d_out): a over rows, g over columns.
+
+    Example:
+        >>> in_out_layout(3, 2)
+        FactorLayout(g_div=1, g_mod=2, a_div=2, a_mod=3, a_off=0)
+    """
+    return FactorLayout(g_div=1, g_mod=d_out, a_div=d_out, a_mod=d_in)
+
+
+def per_entry_layout(n: int, a_entry: int) -> FactorLayout:
+    """A vector parameter: g per entry, one shared ``a`` entry (bias or norm affine).
+
+    Example:
+        >>> per_entry_layout(4, a_entry=3)  # a Linear(3, 4)'s bias: a's last entry
+        FactorLayout(g_div=1, g_mod=4, a_div=1, a_mod=1, a_off=3)
+    """
+    return FactorLayout(g_div=1, g_mod=n, a_div=1, a_mod=1, a_off=a_entry)
+
+
+class FisherRule:
+    """The Fisher factors of one module kind: their sizes, layouts and statistics.
+
+    A rule for a custom module class implements :meth:`sizes`, :meth:`layouts`,
+    :meth:`a_write` and :meth:`g_write` (and :meth:`output_module` when the output
+    gradient is taken elsewhere), then is registered with
+    :func:`~hf_triaccel.curvature.rules.register_fisher_rule`. The statistics run in the
+    collector's hooks on every refresh step, on tensors detached from autograd; a rule that
+    reads the module's parameters should detach them too.
+
+    Example:
+        >>> class ScaleRule(FisherRule):  # y = weight * x, one weight per feature
+        ...     def sizes(self, module):
+        ...         return 1, module.weight.numel()
+        ...     def layouts(self, module):
+        ...         return {"weight": per_entry_layout(module.weight.numel(), 0)}
+        ...     def a_write(self, module, x, out, impl, cache):
+        ...         out[0] = x.float().square().mean()
+        ...     def g_write(self, module, grad, out, accumulate, impl, cache):
+        ...         stat = grad.float().square().reshape(-1, out.numel()).mean(0)
+        ...         out.add_(stat) if accumulate else out.copy_(stat)
+        >>> class Scale(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.weight = nn.Parameter(torch.ones(3))
+        ...     def forward(self, x):
+        ...         return self.weight * x
+        >>> a_statistic(ScaleRule(), Scale(), torch.full((2, 3), 2.0))
+        tensor([4.])
+    """
+
+    def sizes(self, module: nn.Module) -> tuple[int, int]:
+        """Lengths of the (a, g) factor vectors."""
+        raise NotImplementedError
+
+    def layouts(self, module: nn.Module) -> dict[str, FactorLayout]:
+        """Layout of each direct parameter, by attribute name."""
+        raise NotImplementedError
+
+    def output_module(self, module: nn.Module) -> nn.Module:
+        """The module whose output gradient :meth:`g_write` reads: ``module`` itself, unless
+        its forward applies something (an activation) after the parameterised op."""
+        return module
+
+    def a_write(
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        impl: str | None,
+        cache: dict[Any, Any],
+    ) -> float | None:
+        """Writes the activation statistic of one micro-batch into ``out``.
+
+        Args:
+            module: the module.
+            x: its input, detached from autograd.
+            out: contiguous float32 destination of length ``sizes(module)[0]``.
+            impl: implementation (see :mod:`hf_triaccel.dispatch`).
+            cache: a dict the caller keeps for this module (and empties when the module's
+                buffers move), where the rule keeps what it can reuse from call to call.
+
+        Returns:
+            ``None`` when every entry of ``out`` was written. Otherwise the value of the
+            last entry, which was left untouched for the caller to set: it depends only on
+            the input's shape (the bias column of ones, a norm layer's size entry).
+        """
+        raise NotImplementedError
+
+    def g_write(
+        self,
+        module: nn.Module,
+        grad: torch.Tensor,
+        out: torch.Tensor,
+        accumulate: bool,
+        impl: str | None,
+        cache: dict[Any, Any],
+    ) -> None:
+        """Writes the gradient statistic of one micro-batch into ``out``, or adds it to
+        ``out`` when ``accumulate``. Arguments as for :meth:`a_write`; ``out`` has length
+        ``sizes(module)[1]``."""
+        raise NotImplementedError
+
+
+def a_statistic(
+    rule: FisherRule, module: nn.Module, x: torch.Tensor, impl: str | None = None
+) -> torch.Tensor:
+    """One micro-batch's activation statistic of ``module`` as a new float32 tensor,
+    every entry set.
+
+    Example:
+        >>> from hf_triaccel.curvature.rules import rule_for
+        >>> layer = nn.Linear(2, 3)
+        >>> a_statistic(rule_for(layer), layer, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        tensor([ 5., 10.,  1.])
+    """
+    out = torch.zeros(rule.sizes(module)[0], dtype=torch.float32, device=x.device)
+    with torch.no_grad():
+        last = rule.a_write(module, x.detach(), out, impl, {})
+    if last is not None:
+        out[-1] = last
+    return out
+
+
+def g_statistic(
+    rule: FisherRule, module: nn.Module, grad: torch.Tensor, impl: str | None = None
+) -> torch.Tensor:
+    """One micro-batch's gradient statistic of ``module`` (from the gradient of its
+    output) as a new float32 tensor.
+
+    Example:
+        >>> from hf_triaccel.curvature.rules import rule_for
+        >>> layer = nn.Linear(2, 3)
+        >>> g_statistic(rule_for(layer), layer, torch.full((4, 3), 2.0))
+        tensor([4., 4., 4.])
+    """
+    out = torch.zeros(rule.sizes(module)[1], dtype=torch.float32, device=grad.device)
+    with torch.no_grad():
+        rule.g_write(module, grad.detach(), out, False, impl, {})
+    return out

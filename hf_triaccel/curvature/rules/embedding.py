@@ -1,0 +1,47 @@
+"""``nn.Embedding``: a Linear on one-hot inputs, its weight stored (V, D)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_triaccel.curvature.rules.base import FisherRule, in_out_layout
+from hf_triaccel.curvature.rules.plans import as_view, inverse, mean_square_rows, plan_for
+
+
+@dataclass
+class _EmbeddingPlan:
+    ones: torch.Tensor  # one per looked-up row: index_add_ counts them exactly
+    scale: float
+
+
+class EmbeddingRule(FisherRule):
+    """a_v = share of the input rows that look up row v (the mean of the squared one-hot);
+    g = mean over rows of the squared output gradient.
+
+    Example:
+        >>> from torch import nn
+        >>> from hf_triaccel.curvature.rules import a_statistic
+        >>> a_statistic(EmbeddingRule(), nn.Embedding(3, 2), torch.tensor([0, 2, 2, 2]))
+        tensor([0.2500, 0.0000, 0.7500])
+    """
+
+    def sizes(self, module):
+        return module.num_embeddings, module.embedding_dim
+
+    def layouts(self, module):
+        return {"weight": in_out_layout(module.num_embeddings, module.embedding_dim)}
+
+    def a_write(self, module, x, out, impl, cache):
+        def make() -> _EmbeddingPlan:
+            n = x.numel()
+            return _EmbeddingPlan(torch.ones(n, dtype=torch.float32, device=x.device), inverse(n))
+
+        plan = plan_for(cache, ("a", x.shape), make)
+        # index_add_ rather than bincount: bincount sizes its output on the host (a sync)
+        out.zero_().index_add_(0, as_view(x, (-1,)), plan.ones).mul_(plan.scale)
+        return None
+
+    def g_write(self, module, grad, out, accumulate, impl, cache):
+        mean_square_rows(grad, out, accumulate, impl, cache, "g")

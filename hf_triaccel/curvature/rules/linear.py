@@ -1,0 +1,48 @@
+"""Linear layers: ``nn.Linear`` and transformers' ``Conv1D`` (a Linear stored transposed)."""
+
+from __future__ import annotations
+
+from hf_triaccel.curvature.rules.base import (
+    FisherRule,
+    in_out_layout,
+    out_in_layout,
+    per_entry_layout,
+)
+from hf_triaccel.curvature.rules.plans import mean_square_rows
+
+
+class LinearRule(FisherRule):
+    """``nn.Linear``: a = mean over rows of x^2 (+1 for the bias), g = mean of grad^2.
+
+    Example:
+        >>> from torch import nn
+        >>> LinearRule().sizes(nn.Linear(3, 2))  # a: 3 inputs and the bias column
+        (4, 2)
+    """
+
+    def sizes(self, module):
+        return module.in_features + (module.bias is not None), module.out_features
+
+    def layouts(self, module):
+        d_out, d_in = module.out_features, module.in_features
+        return {"weight": out_in_layout(d_out, d_in), "bias": per_entry_layout(d_out, d_in)}
+
+    def a_write(self, module, x, out, impl, cache):
+        bias = module.bias is not None
+        mean_square_rows(x, out, False, impl, cache, "a", bias)
+        return 1.0 if bias else None
+
+    def g_write(self, module, grad, out, accumulate, impl, cache):
+        mean_square_rows(grad, out, accumulate, impl, cache, "g")
+
+
+class HFConv1DRule(LinearRule):
+    """transformers' ``Conv1D``: a Linear whose weight is stored (d_in, d_out)."""
+
+    def sizes(self, module):
+        d_in, d_out = module.weight.shape
+        return d_in + (module.bias is not None), d_out
+
+    def layouts(self, module):
+        d_in, d_out = module.weight.shape
+        return {"weight": in_out_layout(d_in, d_out), "bias": per_entry_layout(d_out, d_in)}

@@ -1,0 +1,167 @@
+"""Per-shape plans: what the built-in rules work out once per input shape and keep.
+
+The statistics run on every hooked layer of every refresh step and are bound by host
+time, so each built-in rule keeps, in the cache the collector holds for the module, one
+plan per input shape: the resolved reduction, the reshapes and scales, scratch buffers
+and views of the caller's buffer. A plan is the one cache of its statistic; once a layer
+has seen its input shape, a statistic costs its one or two kernel launches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_triaccel.curvature.reductions import Reduction, reductions_for
+
+# Input shapes a module keeps plans for: an input shape that keeps changing (multi-scale
+# images, dynamic sequence lengths) must not pile up buffers; past this the oldest goes.
+MAX_PLANS_PER_MODULE = 16
+
+
+class ViewOf:
+    """A view of a caller's buffer, made again only when the buffer changes: making a
+    view costs about as much host time as the launch it feeds.
+
+    The view holds the buffer's storage, so an unchanged address means the same buffer.
+
+    Example:
+        >>> head = ViewOf(lambda out: out[:2])
+        >>> buffer = torch.zeros(3)
+        >>> head(buffer).fill_(1.0) is head(buffer), buffer
+        (True, tensor([1., 1., 0.]))
+    """
+
+    __slots__ = ("make", "ptr", "view")
+
+    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.make = make
+        self.ptr = -1
+        self.view: torch.Tensor | None = None
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        ptr = out.data_ptr()
+        if ptr != self.ptr:
+            self.view = self.make(out)
+            self.ptr = ptr
+        return self.view
+
+
+def as_view(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` viewed as ``shape``, copied only when no view exists (``reshape`` costs a
+    second dispatch even when it returns a view)."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return t.reshape(shape)
+
+
+def plan_for(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    """The plan stored under ``key`` in a module's cache, made and stored when missing
+    (the oldest plan goes past :data:`MAX_PLANS_PER_MODULE`)."""
+    plan = cache.get(key)
+    if plan is None:
+        plan = make()
+        if len(cache) >= MAX_PLANS_PER_MODULE:
+            del cache[next(iter(cache))]
+        cache[key] = plan
+    return plan
+
+
+def inverse(n: float) -> float:
+    """1 / n, NaN for an empty input (the mean over nothing)."""
+    return 1.0 / n if n else math.nan
+
+
+@dataclass
+class RowsPlan:
+    """A statistic that is a scaled sum over rows of the input viewed as (rows, d)."""
+
+    reduce: Reduction
+    rows: int
+    d: int
+    scale: float
+    head: ViewOf | None = None  # the part of ``out`` the sums go to, when not all of it
+
+
+def mean_square_rows(
+    t: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    impl: str | None,
+    cache: dict[Any, Any],
+    key: str,
+    bias: bool = False,
+) -> None:
+    """Mean over rows (every dim but the last) of ``t**2`` into ``out`` (its first
+    ``t.shape[-1]`` entries when ``bias``).
+
+    Example:
+        >>> out = torch.zeros(3)
+        >>> mean_square_rows(torch.full((2, 2), 3.0), out, False, None, {}, "a", bias=True)
+        >>> out
+        tensor([9., 9., 0.])
+    """
+
+    def make() -> RowsPlan:
+        d = t.shape[-1] if t.dim() else 1
+        rows = t.numel() // d if d else 0
+        head = ViewOf(lambda out: out[:d]) if bias else None
+        return RowsPlan(reductions_for(impl, t.device)[0], rows, d, inverse(rows), head)
+
+    plan = plan_for(cache, (key, t.shape), make)
+    dst = out if plan.head is None else plan.head(out)
+    plan.reduce(
+        as_view(t, (plan.rows, plan.d)), True, out=dst, scale=plan.scale, accumulate=accumulate
+    )
+
+
+@dataclass
+class ChannelPlan:
+    """A per-channel statistic of an input viewed as (B, C, L)."""
+
+    reduce: Reduction
+    shape: tuple[int, int, int]
+    scale: float
+
+
+def channel_reduce(
+    t: torch.Tensor,
+    unbatched_dim: int,
+    out: torch.Tensor,
+    accumulate: bool,
+    impl: str | None,
+    cache: dict[Any, Any],
+    square: bool,
+) -> None:
+    """Per-channel (dim 1) statistic of ``t`` into ``out``: with ``square``, the mean over
+    batch and positions of ``t**2``; otherwise (sum over all dims but 1)^2 / B. A ``t``
+    with ``unbatched_dim`` dims is a batch of one.
+
+    Example:
+        >>> out = torch.zeros(3)
+        >>> channel_reduce(torch.ones(2, 3, 4), 2, out, False, None, {}, square=False)
+        >>> out  # (2 * 4)^2 / 2
+        tensor([32., 32., 32.])
+    """
+
+    def make() -> ChannelPlan:
+        shape = (1, *t.shape) if t.dim() == unbatched_dim else tuple(t.shape)
+        b, c = shape[:2]
+        length = math.prod(shape[2:])
+        scale = inverse(b * length) if square else inverse(b)
+        return ChannelPlan(reductions_for(impl, t.device)[1], (b, c, length), scale)
+
+    plan = plan_for(cache, ("channel", t.shape), make)
+    plan.reduce(
+        as_view(t, plan.shape),
+        square,
+        out=out,
+        scale=plan.scale,
+        accumulate=accumulate,
+        square_result=not square,
+    )
