@@ -1,5 +1,11 @@
 """Memory: live device probes, OOM classification, elastic micro-batching and
-activation checkpointing of the largest blocks.
+activation checkpointing.
+
+Modules: ``probe`` (device memory, error classes), ``sizing`` (which micro-batch fits),
+``retry`` (re-running a step after an OOM), ``distributed`` (ranks agreeing),
+``batches`` (slicing a batch into pieces), ``rollback`` (BatchNorm statistics restored
+on a re-run or a recompute), ``elastic`` (the controller that uses them) and
+``checkpointing``.
 
 Example:
     >>> from torch import nn
@@ -9,20 +15,14 @@ Example:
     {'micro_batch': 64, 'accumulation': 1}
 """
 
+from hf_triaccel.memory.batches import batch_size, slice_batch
 from hf_triaccel.memory.checkpointing import (
     CheckpointedBlocks,
     checkpoint_largest_blocks,
+    enable_activation_checkpointing,
     find_blocks,
 )
-from hf_triaccel.memory.elastic import (
-    ElasticBatchController,
-    ElasticBatchError,
-    ElasticEvent,
-    RunningStatsRollback,
-    StepRollback,
-    batch_size,
-    slice_batch,
-)
+from hf_triaccel.memory.elastic import ElasticBatchController, ElasticEvent
 from hf_triaccel.memory.probe import (
     CudaMemoryProbe,
     MemoryProbe,
@@ -32,6 +32,9 @@ from hf_triaccel.memory.probe import (
     is_fatal_cuda_error,
     is_oom,
 )
+from hf_triaccel.memory.retry import ElasticBatchError
+from hf_triaccel.memory.rollback import RunningStatsRollback, StepRollback
+from hf_triaccel.memory.sizing import SizingPolicy
 
 __all__ = [
     "CheckpointedBlocks",
@@ -43,10 +46,12 @@ __all__ = [
     "MemorySnapshot",
     "NullProbe",
     "RunningStatsRollback",
+    "SizingPolicy",
     "StepRollback",
     "batch_size",
     "checkpoint_largest_blocks",
     "default_probe",
+    "enable_activation_checkpointing",
     "find_blocks",
     "is_fatal_cuda_error",
     "is_oom",

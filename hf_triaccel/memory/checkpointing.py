@@ -1,8 +1,13 @@
-"""Activation checkpointing of a model's largest blocks, applied and removed at run time.
+"""Activation checkpointing switched on and off at run time.
 
 The last resort of the elastic batch controller before it gives up: a checkpointed
 block keeps only its inputs during the forward and recomputes its activations in the
 backward, trading one extra forward of that block for its activation memory.
+
+:func:`enable_activation_checkpointing` uses the model's own switch when it has one
+(transformers' ``activation_checkpointing_enable`` / ``gradient_checkpointing_enable``,
+timm's ``set_grad_checkpointing``), and otherwise wraps the model's largest blocks here
+(:func:`checkpoint_largest_blocks`).
 
 Blocks are the repeated units of a model: the children of ``nn.Sequential`` and
 ``nn.ModuleList`` containers (transformer layers, ResNet blocks), or the root's
@@ -13,14 +18,14 @@ for their compute and activation size.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
+
+from hf_triaccel.memory.rollback import RunningStatsRollback
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _MARK = "_hf_triaccel_checkpointed"
@@ -50,38 +55,15 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-class _KeepRunningStats:
-    """Recompute context that undoes the recompute's second update of BatchNorm running
-    statistics, so that each sample updates them once, as without checkpointing."""
-
-    def __init__(self, norms: list[_NormBase]) -> None:
-        self.buffers = [
-            b
-            for m in norms
-            for b in (m.running_mean, m.running_var, m.num_batches_tracked)
-            if b is not None
-        ]
-        self.saved: list[torch.Tensor] = []
-
-    def __enter__(self) -> None:
-        self.saved = [b.clone() for b in self.buffers]
-
-    def __exit__(self, *exc: object) -> None:
-        with torch.no_grad():
-            for buffer, saved in zip(self.buffers, self.saved, strict=True):
-                buffer.copy_(saved)
-        self.saved = []
-
-
-def _contexts(norms: list[_NormBase]) -> tuple[contextlib.AbstractContextManager, Any]:
-    return contextlib.nullcontext(), _KeepRunningStats(norms)
-
-
 def _checkpointed(
     module: nn.Module, original: Callable[..., Any], preserve_rng_state: bool
 ) -> Callable[..., Any]:
-    norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
-    extra = {"context_fn": functools.partial(_contexts, norms)} if norms else {}
+    # the recompute runs BatchNorm layers a second time: their running statistics are
+    # restored after it, so that each sample updates them once, as without checkpointing
+    rollback = RunningStatsRollback(module)
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, RunningStatsRollback]:
+        return contextlib.nullcontext(), rollback
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         # evaluation and no-grad passes store no activations: nothing to save there
@@ -92,7 +74,7 @@ def _checkpointed(
             *args,
             use_reentrant=False,
             preserve_rng_state=preserve_rng_state,
-            **extra,
+            context_fn=contexts,
             **kwargs,
         )
 
@@ -101,14 +83,19 @@ def _checkpointed(
 
 
 class CheckpointedBlocks:
-    """The blocks :func:`checkpoint_largest_blocks` wrapped; :meth:`remove` unwraps them.
+    """What :func:`checkpoint_largest_blocks` or :func:`enable_activation_checkpointing`
+    switched on; :meth:`remove` switches it off again.
 
     Attributes:
-        names: the wrapped blocks' names (as in ``named_modules()``), largest first.
+        names: the blocks wrapped here (as in ``named_modules()``), largest first; empty
+            when the model's own checkpointing was used.
+        method: ``"blocks"`` (wrapped here) or the model's own method that was called.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, method: str = "blocks", undo: Callable[[], object] | None = None) -> None:
         self.names: list[str] = []
+        self.method = method
+        self._undo = undo
         # (module, the wrapper, the instance-level forward it replaced, if any)
         self._wrapped: list[tuple[nn.Module, Callable[..., Any], Callable[..., Any] | None]] = []
 
@@ -120,7 +107,11 @@ class CheckpointedBlocks:
         self._wrapped.append((module, wrapper, previous))
 
     def remove(self) -> None:
-        """Restores every wrapped block's forward (safe to call twice)."""
+        """Restores every wrapped block's forward, or switches the model's own
+        checkpointing off when it was switched on here (safe to call twice)."""
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
         for module, wrapper, previous in reversed(self._wrapped):
             if module.__dict__.get("forward") is not wrapper:
                 continue  # replaced again since: leave the newer wrapper in place
@@ -141,7 +132,7 @@ class CheckpointedBlocks:
         self.remove()
 
     def __repr__(self) -> str:
-        return f"CheckpointedBlocks({self.names})"
+        return f"CheckpointedBlocks({self.names if self.method == 'blocks' else self.method})"
 
 
 def checkpoint_largest_blocks(
@@ -190,3 +181,81 @@ def checkpoint_largest_blocks(
 def _nested(a: str, b: str) -> bool:
     """Whether module names ``a`` and ``b`` are the same or one contains the other."""
     return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _own_switch(model: nn.Module) -> tuple[str, Callable[[bool], object], bool] | None:
+    """The model's own activation checkpointing: (method name, a setter, whether it is
+    on now), or ``None``."""
+    # transformers 5 names first: there the 4.x names are deprecated aliases
+    for on, off, state in (
+        (
+            "activation_checkpointing_enable",
+            "activation_checkpointing_disable",
+            "is_activation_checkpointing",
+        ),
+        (
+            "gradient_checkpointing_enable",
+            "gradient_checkpointing_disable",
+            "is_gradient_checkpointing",
+        ),
+    ):
+        if hasattr(model, on) and getattr(model, "supports_gradient_checkpointing", False):
+
+            def set_(enable: bool, on: str = on, off: str = off) -> object:
+                return getattr(model, on if enable else off)()
+
+            return on, set_, bool(getattr(model, state, False))
+    if callable(getattr(model, "set_grad_checkpointing", None)):  # timm
+        return (
+            "set_grad_checkpointing",
+            model.set_grad_checkpointing,
+            bool(getattr(model, "grad_checkpointing", False)),
+        )
+    return None
+
+
+def enable_activation_checkpointing(
+    model: nn.Module, n: int | None = None, *, preserve_rng_state: bool = True
+) -> CheckpointedBlocks:
+    """Switches activation checkpointing on: the model's own, else its largest blocks.
+
+    The model's own switch knows its layers and their arguments (attention masks, caches):
+    transformers' ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
+    in older releases) on a model that supports it, or timm's ``set_grad_checkpointing``.
+    A model without one, or whose switch refuses (some timm models assert), gets
+    :func:`checkpoint_largest_blocks`. Already on: nothing changes, and ``remove()``
+    leaves it on. The model's own recompute may update BatchNorm running statistics a
+    second time (timm's does); the blocks wrapped here update them once.
+
+    Args:
+        model: the model (unwrapped: not the DDP wrapper).
+        n: how many blocks :func:`checkpoint_largest_blocks` wraps, when it is used
+            (default: all of them); the model's own switch takes no count.
+        preserve_rng_state: passed to :func:`checkpoint_largest_blocks`.
+
+    Returns:
+        A :class:`CheckpointedBlocks` handle; ``remove()`` switches it off.
+
+    Example:
+        >>> import timm
+        >>> model = timm.create_model("resnet10t")
+        >>> handle = enable_activation_checkpointing(model)
+        >>> handle.method, model.grad_checkpointing
+        ('set_grad_checkpointing', True)
+        >>> handle.remove(); model.grad_checkpointing
+        False
+        >>> enable_activation_checkpointing(nn.Sequential(nn.Linear(4, 4))).names
+        ['0']
+    """
+    own = _own_switch(model)
+    if own is not None:
+        method, set_, already = own
+        if already:
+            return CheckpointedBlocks(method)
+        try:
+            set_(True)
+        except (AssertionError, NotImplementedError, ValueError):
+            pass  # not supported by this model: wrap its blocks here
+        else:
+            return CheckpointedBlocks(method, undo=lambda: set_(False))
+    return checkpoint_largest_blocks(model, n, preserve_rng_state=preserve_rng_state)

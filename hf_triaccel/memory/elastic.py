@@ -9,19 +9,21 @@ Only ``m`` moves:
 * **Sizing.** On the first step, three pieces ``p, p, 2p`` (a warm-up, then two
   measured) give the per-sample activation memory (slope) and the fixed part
   (intercept) of the step's peak; ``m`` is the largest size whose predicted peak stays
-  under ``target_fraction`` of what the device can give this process.
+  under ``target_fraction`` of what the device can give this process
+  (:class:`~hf_triaccel.memory.sizing.SizingPolicy`).
 * **Shrink before an OOM.** Every ``check_every`` steps the probe is read again and
   the intercept refreshed from the step's measured peak; when free memory dropped
   (another process, a longer sequence, the optimizer state), ``m`` shrinks.
 * **OOM inside a step.** Memory is freed, ``m`` halves, and the *same* samples are
-  run again from scratch: the gradients of the failed attempt are dropped, so no
-  sample is counted twice and none is lost. Fatal CUDA errors are never retried.
-  Below ``min_micro_batch``, activation checkpointing is switched on once, then the
-  controller gives up with :class:`ElasticBatchError`.
+  run again from scratch (:func:`~hf_triaccel.memory.retry.run_with_retries`).
+  Fatal CUDA errors are never retried. Below ``min_micro_batch``, activation
+  checkpointing is switched on once, then the controller gives up with
+  :class:`ElasticBatchError`.
 * **Grow back.** After ``grow_after`` steps without a shrink, ``m`` grows to what
   the device can give again.
 * **Data parallel.** Ranks agree on ``m`` (all-reduce MIN) at every check, and only
-  the last piece synchronises gradients (``no_sync()`` for the others).
+  the last piece synchronises gradients (``no_sync()`` for the others;
+  :mod:`hf_triaccel.memory.distributed`).
 
 The controller knows nothing of the Trainer: :meth:`ElasticBatchController.run_step`
 takes a batch, a function that computes the loss of a piece, and the model.
@@ -30,28 +32,19 @@ takes a batch, a function that computes the loss of a piece, and the model.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
-from hf_triaccel.memory.probe import MemoryProbe, MemorySnapshot, default_probe, is_oom
-
-Batch = Any  # a tensor, a mapping of tensors, or a tuple / list of them
-
-
-class ElasticBatchError(Exception):
-    """A step cannot be run within the device's memory, or cannot be re-run exactly.
-
-    Not a ``RuntimeError``: out-of-memory handlers further up (Accelerate's
-    ``find_executable_batch_size``, :func:`~hf_triaccel.memory.probe.is_oom`) must not
-    take it for one more retryable OOM.
-    """
+from hf_triaccel.memory.batches import Batch, batch_size, piece_weight, slice_batch
+from hf_triaccel.memory.distributed import agree_min, syncs_gradients
+from hf_triaccel.memory.probe import MemoryProbe, default_probe
+from hf_triaccel.memory.retry import AttemptProgress, ElasticBatchError, run_with_retries
+from hf_triaccel.memory.rollback import RunningStatsRollback, StepRollback
+from hf_triaccel.memory.sizing import SizingPolicy
 
 
 @dataclass(frozen=True)
@@ -72,178 +65,6 @@ class ElasticEvent:
     reason: str
 
 
-class StepRollback(Protocol):
-    """State that a step changes besides gradients, restored before a re-run.
-
-    :meth:`save` is called before the first piece of every step, :meth:`restore`
-    before each re-run of the step after an out-of-memory error.
-    """
-
-    def save(self) -> None: ...
-
-    def restore(self) -> None: ...
-
-
-class RunningStatsRollback:
-    """Restores BatchNorm running statistics, so a re-run step updates them once.
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-        >>> rollback = RunningStatsRollback(model)
-        >>> rollback.save(); _ = model(torch.randn(8, 4)); rollback.restore()
-        >>> model[1].num_batches_tracked.item()
-        0
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self._norms = [
-            m for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats
-        ]
-        self._saved: list[torch.Tensor] = []
-
-    def _buffers(self) -> list[torch.Tensor]:
-        # read at each call: model.to() replaces buffer tensors
-        return [
-            b
-            for m in self._norms
-            for b in (m.running_mean, m.running_var, m.num_batches_tracked)
-            if b is not None
-        ]
-
-    def save(self) -> None:
-        buffers = self._buffers()
-        if not buffers:
-            return
-        if [(s.shape, s.dtype, s.device) for s in self._saved] != [
-            (b.shape, b.dtype, b.device) for b in buffers
-        ]:
-            self._saved = [torch.empty_like(b) for b in buffers]
-        torch._foreach_copy_(self._saved, buffers)
-
-    def restore(self) -> None:
-        buffers = self._buffers()
-        if buffers and self._saved:
-            with torch.no_grad():
-                torch._foreach_copy_(buffers, self._saved)
-
-
-def batch_size(batch: Batch) -> int:
-    """Number of samples: the leading size of the batch's first tensor.
-
-    Example:
-        >>> batch_size({"input_ids": torch.zeros(6, 3), "labels": torch.zeros(6)})
-        6
-    """
-    for value in _values(batch):
-        if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            return value.shape[0]
-    raise ValueError(f"the batch holds no tensor with a batch dimension: {type(batch).__name__}")
-
-
-def _values(batch: Batch) -> list[Any]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        return [v for value in batch.values() for v in _values(value)]
-    if isinstance(batch, (tuple, list)):
-        return [v for value in batch for v in _values(value)]
-    return []
-
-
-def slice_batch(batch: Batch, start: int, stop: int, n: int | None = None) -> Batch:
-    """Samples ``start:stop`` of a batch of ``n`` samples.
-
-    Tensors whose leading size is ``n`` are sliced along dim 0, and so are sequences
-    of ``n`` non-tensor items (a list of strings); anything else is passed whole.
-    Mappings come back as ``dict``, tuples and lists as their own type.
-
-    Example:
-        >>> piece = slice_batch({"x": torch.arange(6), "scale": 2.0}, 2, 4)
-        >>> piece["x"].tolist(), piece["scale"]
-        ([2, 3], 2.0)
-    """
-    n = batch_size(batch) if n is None else n
-
-    def cut(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value[start:stop] if value.dim() >= 1 and value.shape[0] == n else value
-        if isinstance(value, Mapping):
-            return {k: cut(v) for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            if not _values(value):  # items are samples (strings, ids), not fields
-                return value[start:stop] if len(value) == n else value
-            items = [cut(v) for v in value]
-            if hasattr(value, "_fields"):  # namedtuple
-                return type(value)(*items)
-            return type(value)(items)
-        return value
-
-    return cut(batch)
-
-
-@dataclass
-class _Progress:
-    """Where an attempt is, read after it fails (plain values: no tensor outlives it)."""
-
-    size: int = 0
-    probing: bool = False
-    backward: bool = False
-    syncing: bool = False
-    regular_max: int = 0
-
-
-def _syncs_gradients(model: nn.Module) -> bool:
-    """Whether a backward through ``model`` now all-reduces gradients (DDP, sync on)."""
-    return (
-        getattr(model, "require_backward_grad_sync", False)
-        and dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size() > 1
-    )
-
-
-class _DDPBufferSync:
-    """Keeps a re-run step to the one buffer broadcast DDP makes per step.
-
-    DDP broadcasts module buffers in the first forward after a synchronised backward.
-    If the failed attempt already entered that forward, the re-run must not broadcast
-    again: the other ranks would wait on a collective this rank never matches.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        will_sync = getattr(model, "will_sync_module_buffers", None)
-        self.model = model if callable(will_sync) and will_sync() else None
-        self.entered = False
-        self._handle = (
-            model.register_forward_pre_hook(self._enter) if self.model is not None else None
-        )
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        self.entered = True
-
-    def before_retry(self) -> None:
-        if self.model is not None and self.entered:
-            self.model.require_forward_param_sync = False
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-
-
-def _ratio(part: int | torch.Tensor, whole: int | torch.Tensor) -> float | torch.Tensor:
-    """``part / whole`` in float64: counts can be tensors (token counts on the device),
-    whose integer division would round to float32."""
-    if torch.is_tensor(part) or torch.is_tensor(whole):
-        return torch.as_tensor(part, dtype=torch.float64) / torch.as_tensor(
-            whole, dtype=torch.float64
-        )
-    return part / whole
-
-
-def _backward(loss: torch.Tensor) -> None:
-    loss.backward()
-
-
 class ElasticBatchController:
     """Chooses the micro-batch of each step from live device memory; see the module doc.
 
@@ -260,7 +81,7 @@ class ElasticBatchController:
         grow_after: steps without a shrink before the size may grow again.
         probe: memory probe (default: :func:`default_probe` for the current device).
         enable_activation_checkpointing: called once, before giving up, to save
-            activation memory (e.g. ``lambda: checkpoint_largest_blocks(model)``).
+            activation memory (e.g. ``lambda: enable_activation_checkpointing(model)``).
         process_group: group whose ranks must agree (default: the world).
 
     Example:
@@ -312,17 +133,17 @@ class ElasticBatchController:
         self.probe = default_probe() if probe is None else probe
         self.enable_activation_checkpointing = enable_activation_checkpointing
         self.process_group = process_group
+        self.sizing = SizingPolicy(
+            effective_batch,
+            min_micro_batch=min_micro_batch,
+            max_micro_batch=max_micro_batch,
+            target_fraction=target_fraction,
+        )
         self.events: list[ElasticEvent] = []
-        self._m = self._balanced(max_micro_batch)
+        self._m = self.sizing.balanced(max_micro_batch)
         self._steps = 0
         self._stable = 0
-        self._slope: float | None = None  # bytes per sample; None until measured
-        self._base = 0.0  # bytes of the peak that do not scale with the micro-batch
         self._checkpointing = False
-        # (size, bytes available) of the last OOM: that size is not proposed again
-        # until more memory is available than then
-        # (failed size, available, allocated) at the last OOM
-        self._oom: tuple[int, int, int] | None = None
         self._stats_rollback: tuple[nn.Module, RunningStatsRollback] | None = None
 
     # -- what the rest of the run reads -------------------------------------------------
@@ -353,55 +174,7 @@ class ElasticBatchController:
 
     def predicted_peak(self, m: int) -> float | None:
         """Predicted peak allocation (bytes) of a step at micro-batch ``m``, once measured."""
-        return None if self._slope is None else self._base + self._slope * m
-
-    # -- sizing ------------------------------------------------------------------------
-
-    def _balanced(self, cap: int) -> int:
-        """The size for at most ``cap`` samples per piece with the fewest, most even
-        pieces: ``ceil(E / k)`` for ``k = ceil(E / cap)``. Even pieces lower the peak
-        at the same piece count and avoid a tiny last piece."""
-        cap = max(self.min_micro_batch, min(cap, self.max_micro_batch))
-        pieces = -(-self.effective_batch // cap)
-        size = -(-self.effective_batch // pieces)
-        return size if size >= self.min_micro_batch else cap
-
-    def _fitting_size(self, snapshot: MemorySnapshot) -> int:
-        """Largest balanced size whose predicted peak fits ``target_fraction`` of what
-        the device can give this process (at least ``min_micro_batch``)."""
-        limit = self.max_micro_batch
-        if self._slope:
-            room = self.target_fraction * snapshot.available - self._base
-            limit = min(limit, math.floor(room / self._slope))
-        if self._oom is not None and not self._memory_returned(snapshot):
-            limit = min(limit, self._oom[0] - 1)
-        return self._balanced(max(self.min_micro_batch, limit))
-
-    def _memory_returned(self, snapshot: MemorySnapshot) -> bool:
-        """Whether there is more room than at the last OOM: more available to the process
-        (another process let go), or less held by it (a tensor of its own was freed, which
-        under a budget never shows as more available). A margin of one smallest piece
-        keeps allocator noise from re-trying the size that failed."""
-        _, available, allocated = self._oom
-        margin = (self._slope or 0.0) * self.min_micro_batch
-        return snapshot.available > available or snapshot.allocated + margin < allocated
-
-    def _probe_plan(self, n: int) -> list[int]:
-        """Sizes of the measuring pieces: a warm-up ``p`` (allocates the gradients and
-        workspaces, which would otherwise inflate the first measurement), then ``p``
-        and ``2p``. Empty when already measured, not measurable, or the batch is too
-        small; ``2p <= m`` keeps them no larger than a piece that is expected to fit."""
-        if self._slope is not None or not self.probe.measures:
-            return []
-        p = max(self.min_micro_batch, self._m // 8)
-        return [p, p, 2 * p] if 2 * p <= self._m and 4 * p <= n else []
-
-    def _set(self, new: int, reason: str) -> None:
-        if new != self._m or reason == "activation_checkpointing":
-            self.events.append(ElasticEvent(self._steps, self._m, new, reason))
-        if new < self._m:
-            self._stable = 0
-        self._m = new
+        return self.sizing.predicted_peak(m)
 
     def agree(self, m: int) -> int:
         """The smallest ``m`` over the ranks of the process group (``m`` itself when
@@ -411,15 +184,16 @@ class ElasticBatchController:
             >>> ElasticBatchController(8).agree(5)
             5
         """
-        if not (dist.is_available() and dist.is_initialized()):
-            return m
-        if dist.get_world_size(self.process_group) == 1:
-            return m
-        backend = dist.get_backend(self.process_group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-        value = torch.tensor([m], dtype=torch.int64, device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.process_group)
-        return int(value.item())
+        return agree_min(m, self.process_group)
+
+    # -- decisions ---------------------------------------------------------------------
+
+    def _set(self, new: int, reason: str) -> None:
+        if new != self._m or reason == "activation_checkpointing":
+            self.events.append(ElasticEvent(self._steps, self._m, new, reason))
+        if new < self._m:
+            self._stable = 0
+        self._m = new
 
     def _is_check(self, step: int) -> bool:
         # step 0 ends with the probe's choice, step 1 is the first with the optimizer
@@ -429,14 +203,37 @@ class ElasticBatchController:
     def _check(self) -> None:
         proposal, reason = self._m, "agree"
         snapshot = self.probe.snapshot() if self.probe.measures else None
-        if snapshot is not None and self._slope is not None:
-            fitting = self._fitting_size(snapshot)
+        if snapshot is not None and self.sizing.slope is not None:
+            fitting = self.sizing.fitting(snapshot)
             if fitting < self._m:
                 proposal, reason = fitting, "low_memory"
             elif fitting > self._m and self._stable >= self.grow_after:
                 proposal, reason = fitting, "grow"
         agreed = self.agree(proposal)
         self._set(agreed, reason if agreed == proposal else "agree")
+
+    def _on_oom(self, progress: AttemptProgress, message: str) -> None:
+        """After an OOM: frees memory, corrects the memory model, and shrinks ``m`` (or
+        switches on activation checkpointing, or gives up)."""
+        self.probe.release()
+        self.sizing.failed(progress.size, self.probe.snapshot())
+        failed = progress.size if progress.probing else self._m
+        halved = self.sizing.halved(failed)
+        if halved is not None:
+            self._set(halved, "oom")
+            return
+        if self.enable_activation_checkpointing is None or self._checkpointing:
+            tried = " even with activation checkpointing" if self._checkpointing else ""
+            raise ElasticBatchError(
+                f"out of memory ({message}) at micro-batch {failed}{tried}; halving would go "
+                f"below min_micro_batch={self.min_micro_batch} (effective batch "
+                f"{self.effective_batch}). Lower the effective batch, the sequence length "
+                "or the model size."
+            )
+        self.enable_activation_checkpointing()
+        self._checkpointing = True
+        self.sizing.forget()  # checkpointing changes the memory per sample: measure again
+        self._set(failed, "activation_checkpointing")
 
     # -- the step ----------------------------------------------------------------------
 
@@ -459,7 +256,7 @@ class ElasticBatchController:
 
         Args:
             batch: the step's samples (a tensor, a mapping, or a tuple / list), sliced
-                along dim 0 (see :func:`slice_batch`).
+                along dim 0 (see :func:`~hf_triaccel.memory.batches.slice_batch`).
             loss_fn: the loss of one piece, a scalar: the mean over the piece's items
                 (or, with ``normalized=True``, already divided by the whole batch's
                 item count).
@@ -488,54 +285,31 @@ class ElasticBatchController:
                 CUDA errors are never retried.
         """
         n = batch_size(batch)
-        params = [p for p in model.parameters() if p.requires_grad]
-        carried = any(p.grad is not None for p in params)
-        rollbacks = [self._running_stats(model), *rollbacks]
-        for rollback in rollbacks:
-            rollback.save()
-        total_count = None if normalized or count is None else count(batch)
+        total = None if normalized or count is None else count(batch)
         measure = self.probe.measures and self._is_check(self._steps)
-        buffer_sync = _DDPBufferSync(model)
-        try:
-            while True:
-                progress = _Progress()
-                try:
-                    total = self._attempt(
-                        batch,
-                        n,
-                        loss_fn,
-                        model,
-                        backward or _backward,
-                        count,
-                        total_count,
-                        normalized,
-                        measure,
-                        progress,
-                    )
-                    break
-                except Exception as exc:
-                    if not is_oom(exc):  # fatal CUDA errors included: never retried
-                        raise
-                    message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                # Past the except clause the traceback, and with it every tensor of the
-                # failed attempt, is gone: only now can memory be given back.
-                self._recover(progress, message, carried)
-                for p in params:
-                    p.grad = None
-                for rollback in rollbacks:
-                    rollback.restore()
-                buffer_sync.before_retry()
-        finally:
-            buffer_sync.close()
-        if measure and progress.regular_max and self._slope is not None:
+
+        def weight(piece: Batch, size: int) -> float | torch.Tensor:
+            return 1.0 if normalized else piece_weight(piece, size, n, count, total)
+
+        def attempt(progress: AttemptProgress) -> torch.Tensor:
+            step = (batch, n, loss_fn, model, backward or torch.Tensor.backward, weight, measure)
+            return self._attempt(*step, progress)
+
+        loss, progress = run_with_retries(
+            attempt,
+            model=model,
+            rollbacks=[self._running_stats(model), *rollbacks],
+            on_oom=self._on_oom,
+        )
+        if measure and progress.regular_max:
             peak = self.probe.peak()
             if peak is not None:
-                self._base = peak - self._slope * progress.regular_max
+                self.sizing.measured(peak, progress.regular_max)
         self._stable += 1
         if self._is_check(self._steps):
             self._check()
         self._steps += 1
-        return total
+        return loss
 
     def _running_stats(self, model: nn.Module) -> RunningStatsRollback:
         if self._stats_rollback is None or self._stats_rollback[0] is not model:
@@ -549,14 +323,12 @@ class ElasticBatchController:
         loss_fn: Callable[[Batch], torch.Tensor],
         model: nn.Module,
         backward: Callable[[torch.Tensor], None],
-        count: Callable[[Batch], int | torch.Tensor] | None,
-        total_count: int | torch.Tensor | None,
-        normalized: bool,
+        weight: Callable[[Batch, int], float | torch.Tensor],
         measure: bool,
-        progress: _Progress,
+        progress: AttemptProgress,
     ) -> torch.Tensor:
         no_sync = getattr(model, "no_sync", None)
-        plan = self._probe_plan(n)
+        plan = self.sizing.probe_sizes(self._m, n) if self.probe.measures else []
         measured: list[tuple[int, int]] = []  # (size, peak) of the probe pieces
         total: torch.Tensor | None = None
         start = 0
@@ -566,80 +338,28 @@ class ElasticBatchController:
             stop = start + size
             last = stop >= n
             piece = slice_batch(batch, start, stop, n)
-            if normalized:
-                weight: float | torch.Tensor = 1.0
-            elif count is None:
-                weight = size / n
-            else:
-                weight = _ratio(count(piece), total_count)
+            w = weight(piece, size)
             if probing or (measure and not progress.regular_max):
                 self.probe.reset_peak()
             progress.size, progress.probing, progress.backward = size, probing, False
-            progress.syncing = last and _syncs_gradients(model)
+            progress.syncing = last and syncs_gradients(model)
             with no_sync() if no_sync is not None and not last else contextlib.nullcontext():
                 loss = loss_fn(piece)
-                loss = loss * (weight.to(loss.dtype) if torch.is_tensor(weight) else weight)
+                loss = loss * (w.to(loss.dtype) if torch.is_tensor(w) else w)
                 progress.backward = True
                 backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
             if probing:
                 measured.append((size, self.probe.peak()))
                 if not plan:
-                    self._fit(*measured[1], *measured[2])
+                    self.sizing.fit(*measured[1], *measured[2])
+                    snapshot = self.probe.snapshot()
+                    if snapshot is not None:
+                        self._set(self.sizing.fitting(snapshot), "probe")
             else:
                 progress.regular_max = max(progress.regular_max, size)
             start = stop
         return total
-
-    def _fit(self, size_a: int, peak_a: int, size_b: int, peak_b: int) -> None:
-        """Slope and intercept from the peaks of two pieces, then the size they allow."""
-        self._slope = max(0.0, (peak_b - peak_a) / (size_b - size_a))
-        self._base = peak_a - self._slope * size_a
-        snapshot = self.probe.snapshot()
-        if snapshot is not None:
-            self._set(self._fitting_size(snapshot), "probe")
-
-    def _recover(self, progress: _Progress, message: str, carried: bool) -> None:
-        """After an OOM: frees memory, corrects the memory model, and shrinks ``m`` (or
-        switches on activation checkpointing, or gives up)."""
-        if carried:
-            raise ElasticBatchError(
-                f"out of memory ({message}) with gradients from before this step present: "
-                "the step cannot be re-run without losing them. Let the controller own "
-                "gradient accumulation (e.g. Trainer gradient_accumulation_steps=1)."
-            )
-        if progress.syncing and progress.backward:
-            raise ElasticBatchError(
-                f"out of memory ({message}) in the backward that all-reduces gradients "
-                "(DDP): the reduction was partly launched and cannot be re-run. Lower "
-                "target_fraction or max_micro_batch so that the last piece fits."
-            )
-        self.probe.release()
-        snapshot = self.probe.snapshot()
-        if snapshot is not None:
-            self._oom = (progress.size, snapshot.available, snapshot.allocated)
-            if self._slope is not None:
-                # the failed size did not fit in what was available: the intercept is
-                # at least that much, whatever the earlier measurements said
-                self._base = max(self._base, snapshot.available - self._slope * progress.size)
-        failed = progress.size if progress.probing else self._m
-        cap = failed // 2
-        if cap >= self.min_micro_batch:
-            self._set(self._balanced(cap), "oom")
-            return
-        if self.enable_activation_checkpointing is None or self._checkpointing:
-            tried = " even with activation checkpointing" if self._checkpointing else ""
-            raise ElasticBatchError(
-                f"out of memory ({message}) at micro-batch {failed}{tried}; halving would go "
-                f"below min_micro_batch={self.min_micro_batch} (effective batch "
-                f"{self.effective_batch}). Lower the effective batch, the sequence length "
-                "or the model size."
-            )
-        self.enable_activation_checkpointing()
-        self._checkpointing = True
-        # checkpointing changes the memory per sample: measure again
-        self._slope, self._base = None, 0.0
-        self._set(failed, "activation_checkpointing")
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -656,10 +376,8 @@ class ElasticBatchController:
             "micro_batch": self._m,
             "steps": self._steps,
             "stable_steps": self._stable,
-            "slope": self._slope,
-            "base": self._base,
+            **self.sizing.state_dict(),
             "activation_checkpointing": self._checkpointing,
-            "last_oom": None if self._oom is None else list(self._oom),
             "events": [asdict(e) for e in self.events],
         }
 
@@ -670,9 +388,7 @@ class ElasticBatchController:
         self._m = max(self.min_micro_batch, min(int(state["micro_batch"]), self.max_micro_batch))
         self._steps = int(state["steps"])
         self._stable = int(state["stable_steps"])
-        self._slope = None if state["slope"] is None else float(state["slope"])
-        self._base = float(state["base"])
-        self._oom = None if state["last_oom"] is None else tuple(state["last_oom"])
+        self.sizing.load_state_dict(state)
         self.events = [ElasticEvent(**e) for e in state["events"]]
         hook = self.enable_activation_checkpointing
         if state["activation_checkpointing"] and not self._checkpointing and hook is not None:

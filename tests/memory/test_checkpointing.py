@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_triaccel.memory.checkpointing import checkpoint_largest_blocks, find_blocks
+from hf_triaccel.memory.checkpointing import (
+    checkpoint_largest_blocks,
+    enable_activation_checkpointing,
+    find_blocks,
+)
 
 
 class Block(nn.Module):
@@ -101,6 +105,20 @@ def test_same_gradients_statistics_and_dropout():
         torch.testing.assert_close(c, b, rtol=0, atol=0, msg=name)  # updated once, not twice
 
 
+def test_statistics_kept_after_the_model_moves():
+    """model.double() after wrapping replaces the BatchNorm buffers: the recompute still
+    restores the live ones."""
+    x = torch.randn(32, 5, dtype=torch.float64)
+    plain = Net().train()
+    ckpt = copy.deepcopy(plain)
+    checkpoint_largest_blocks(ckpt)
+    for model in (plain.double(), ckpt.double()):
+        torch.manual_seed(7)  # the same dropout masks
+        model(x).sum().backward()
+    for (name, b), c in zip(plain.named_buffers(), ckpt.buffers(), strict=True):
+        torch.testing.assert_close(c, b, rtol=0, atol=0, msg=name)
+
+
 def test_saves_activation_memory():
     x = torch.randn(256, 5)
     model = Net().train()
@@ -147,3 +165,61 @@ def test_keeps_an_existing_instance_forward():
 def test_invalid_count():
     with pytest.raises(ValueError):
         checkpoint_largest_blocks(Net(), 0)
+
+
+# -- the model's own switch first ----------------------------------------------------------
+
+
+class OwnSwitch(Net):
+    """A model with timm's switch; ``refuse``: it asserts, as some timm models do."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        super().__init__()
+        self.grad_checkpointing = False
+        self.refuse = refuse
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        assert not (enable and self.refuse), "gradient checkpointing not supported"
+        self.grad_checkpointing = enable
+
+
+def test_the_model_own_switch_comes_first():
+    model = OwnSwitch()
+    handle = enable_activation_checkpointing(model, 1)
+    assert handle.method == "set_grad_checkpointing" and model.grad_checkpointing
+    assert handle.names == [] and all("forward" not in b.__dict__ for b in model.blocks)
+    handle.remove()
+    assert not model.grad_checkpointing
+
+
+def test_a_switch_already_on_is_left_on():
+    model = OwnSwitch()
+    model.set_grad_checkpointing()
+    enable_activation_checkpointing(model).remove()
+    assert model.grad_checkpointing
+
+
+def test_a_refusing_switch_falls_back_to_the_blocks():
+    model = OwnSwitch(refuse=True)
+    handle = enable_activation_checkpointing(model, 2)
+    assert handle.method == "blocks" and handle.names == ["blocks.1", "blocks.2"]
+    assert not model.grad_checkpointing
+    handle.remove()
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+
+
+def test_timm_and_transformers_models_use_their_own():
+    timm = pytest.importorskip("timm")
+    transformers = pytest.importorskip("transformers")
+    resnet = timm.create_model("resnet10t", num_classes=3)
+    assert enable_activation_checkpointing(resnet).method == "set_grad_checkpointing"
+    assert resnet.grad_checkpointing
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32)
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    handle = enable_activation_checkpointing(gpt2)
+    assert handle.method.endswith("checkpointing_enable") and handle.names == []
+    on = getattr(type(gpt2), "is_activation_checkpointing", None)  # transformers 5 name
+    state = "is_activation_checkpointing" if on is not None else "is_gradient_checkpointing"
+    assert getattr(gpt2, state)
+    handle.remove()
+    assert not getattr(gpt2, state)

@@ -13,7 +13,7 @@ from torch import nn
 
 from hf_triaccel.memory.elastic import ElasticBatchController
 from hf_triaccel.memory.probe import NullProbe
-from tests.memory.fakes import oom
+from hf_triaccel.testing import oom
 
 GLOBAL_BATCH = 16
 STEPS = 4

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hf_triaccel.memory import probe as probe_module
-from hf_triaccel.memory.elastic import ElasticBatchError
 from hf_triaccel.memory.probe import (
     CudaMemoryProbe,
     MemorySnapshot,
@@ -15,6 +14,7 @@ from hf_triaccel.memory.probe import (
     is_fatal_cuda_error,
     is_oom,
 )
+from hf_triaccel.memory.retry import ElasticBatchError
 
 OOMS = [
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"),

@@ -1,0 +1,21 @@
+"""Fakes shared by the test suite and the benchmarks' CPU smoke runs.
+
+Like ``accelerate.test_utils`` or ``transformers.testing_utils``: importable from the
+installed package, never imported by the library itself. It imports only torch and the
+package's own layers below ``integrations``.
+
+- :mod:`hf_triaccel.testing.memory`: a device with a linear memory model that raises
+  out-of-memory errors past its capacity, out-of-memory injection in a backward, a
+  probe that counts releases, and a step rollback that records which samples each step
+  kept.
+"""
+
+from hf_triaccel.testing.memory import (
+    CountingProbe,
+    FakeMemoryDevice,
+    OOMInBackward,
+    SampleLedger,
+    oom,
+)
+
+__all__ = ["CountingProbe", "FakeMemoryDevice", "OOMInBackward", "SampleLedger", "oom"]
