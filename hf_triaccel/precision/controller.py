@@ -27,26 +27,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hf_triaccel.curvature.signals import ModuleSignals, SignalTracker
-from hf_triaccel.precision.hooks import PrecisionHook, _tensors
+from hf_triaccel.precision.costs import cost_shares, forward_cost, has_weight
+from hf_triaccel.precision.hooks import PrecisionHook
 from hf_triaccel.precision.policy import PRECISIONS, PrecisionPolicy
-
-
-def _has_weight(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "weight", None), torch.Tensor)
-
-
-def _macs_per_output(module: nn.Module, out: torch.Tensor) -> float:
-    """Multiply-adds per output element: the weight's size over the output channels
-    (Linear, ConvNd, transformers' Conv1D); 1 for lookups and elementwise weights."""
-    weight = module.weight
-    if weight.dim() < 2 or isinstance(module, nn.Embedding):
-        return 1.0
-    channels = (
-        getattr(module, "out_channels", None)
-        or getattr(module, "out_features", None)
-        or out.shape[-1]
-    )
-    return weight.numel() / channels
 
 
 @dataclass(frozen=True)
@@ -143,7 +126,7 @@ class PrecisionController:
         self._cost_hooks = {
             name: module.register_forward_hook(functools.partial(self._measure_cost, name))
             for name, module in self._modules.items()
-            if name not in self._fixed and _has_weight(module)
+            if name not in self._fixed and has_weight(module)
         }
         self.tracker = tracker
         self._listener = None if tracker is None else tracker.add_listener(self._on_step)
@@ -153,12 +136,9 @@ class PrecisionController:
     # ------------------------------------------------------------------ decisions
 
     def _measure_cost(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
-        out = output if isinstance(output, torch.Tensor) else next(_tensors(output), None)
-        if out is not None:
-            self.costs[name] = out.numel() * _macs_per_output(module, out)
-            self.activations[name] = sum(
-                t.numel() for t in _tensors((args, output)) if t.is_floating_point()
-            )
+        cost = forward_cost(module, args, output)
+        if cost is not None:
+            self.costs[name], self.activations[name] = cost
         self._cost_hooks.pop(name).remove()
 
     def _set(self, name: str, precision: str, step: int, reason: str) -> None:
@@ -222,7 +202,7 @@ class PrecisionController:
             for name, s in sensitivity.items()
             if name not in self._fixed and math.isfinite(s)
         }
-        shares = self._cost_shares(candidates)
+        shares = cost_shares(candidates, self.costs, self.activations)
         # most sensitive per unit of cost first: a cheap module is protected cheaply
         ranked = sorted(candidates, key=lambda name: (-candidates[name] / max(shares[name]), name))
         before = [0.0, 0.0]
@@ -245,15 +225,6 @@ class PrecisionController:
                 self._set(name, proposal, step, "rank")
             else:
                 self._pending[name] = (proposal, count)
-
-    def _cost_shares(self, names: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
-        """Each module's (compute share, activation share) among ``names``; equal shares
-        until every one of them has been measured."""
-        if not all(self.costs.get(n, 0.0) > 0 for n in names):
-            return dict.fromkeys(names, (1.0 / len(names),) * 2)
-        compute = sum(self.costs[n] for n in names)
-        activations = sum(self.activations[n] for n in names) or 1.0
-        return {n: (self.costs[n] / compute, self.activations[n] / activations) for n in names}
 
     def check_overflow(self, step: int) -> list[str]:
         """Reads the overflow accumulator of every fp16 module (one host sync) and moves

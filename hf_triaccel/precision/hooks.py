@@ -11,11 +11,10 @@ raises.
 A module computing in another dtype than the surrounding autocast runs with cuDNN
 autotuning (``torch.backends.cudnn.benchmark``) off, in its forward and in the backward
 of the operation that produced its output (a convolution's). Autotuning a convolution in
-a dtype it has not run in before tries algorithms with large workspaces: on a CIFAR
-ResNet-18, the epochs in which convolutions moved to fp32 took up to 2.7x as long and the
-run's peak memory rose by 75%, most likely from that. These modules are few and small by
-design (the policy bounds their share of the compute and of the activations), so cuDNN's
-heuristic choice of algorithm costs little.
+a dtype it has not run in before tries algorithms with large workspaces, which showed as
+slower epochs and a higher peak memory when convolutions moved to fp32 (BENCHMARKS.md).
+These modules are few and small by design (the policy bounds their share of the compute
+and of the activations), so cuDNN's heuristic choice of algorithm costs little.
 
 Outputs leave a module in the form the surrounding code expects: where autocast is off
 around the module (an fp32 parent, or training without autocast), half-precision outputs
@@ -23,13 +22,9 @@ of a bf16/fp16 module are cast to float32, as the module would have returned the
 its region; under a surrounding autocast they are left as they are (autocast casts them
 where needed). Under a surrounding autocast, an fp32 module's float32 outputs are handed
 on in autocast's dtype: the layers after it compute in half precision anyway, and a
-float32 output would make them save float32 copies for the backward pass. Likewise, where
-an operation inside an fp32 module saves the float32 copy of a half-precision input for
-its backward, the module's saved-tensor hooks keep the half-precision input instead and
-cast it again when the backward needs it: the same values, without a float32 copy of the
-input held until the backward (on a CIFAR ResNet-18 with downsampling convolutions in
-fp32, this cut the peak memory above bf16's from 17% to 8%). Inside another saved-tensor
-hook (e.g. non-reentrant activation checkpointing) the module leaves saving to that hook.
+float32 output would make them save float32 copies for the backward pass. Likewise an
+fp32 module saves its half-precision inputs for the backward, not their float32 copies
+(:mod:`hf_triaccel.precision.saved`).
 
 A bf16 module under bf16 autocast computes as it would unhooked, so its hooks return at
 once: on a host-bound step every forward's Python work counts.
@@ -45,152 +40,14 @@ accumulator at once when it polls.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from hf_triaccel.precision.containers import cast_floating, float32_sum, tensors, to_float32
 from hf_triaccel.precision.policy import DTYPES
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a module output (nested tuples, lists and dicts, e.g. ModelOutput)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to each of its tensors, containers (named tuples, dict
-    subclasses such as ModelOutput) keeping their type."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        items = [_map_tensors(x, fn) for x in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [_map_tensors(x, fn) for x in obj]
-    if isinstance(obj, dict):
-        out = copy.copy(obj)
-        for key, value in obj.items():
-            out[key] = _map_tensors(value, fn)
-        return out
-    return obj
-
-
-def _cast_floating(obj: Any, source: tuple[torch.dtype, ...], dtype: torch.dtype) -> Any:
-    """``obj`` with its tensors of a ``source`` dtype cast to ``dtype``."""
-    return _map_tensors(obj, lambda t: t.to(dtype) if t.dtype in source else t)
-
-
-def _to_float32(obj: Any) -> Any:
-    """``obj`` with its half-precision floating tensors cast to float32."""
-    return _cast_floating(obj, _HALF, torch.float32)
-
-
-def _saved_hooks_free() -> bool:
-    """Whether saved-tensor hooks may be pushed: they are enabled and no other is active
-    (ours would replace it for the tensors saved inside the module)."""
-    autograd = torch._C._autograd
-    try:
-        return (
-            autograd._saved_tensors_hooks_is_enabled()
-            and autograd._top_saved_tensors_default_hooks(False) is None
-        )
-    except AttributeError:  # torch without these queries: stay out of the way
-        return False
-
-
-@dataclass(frozen=True)
-class _SavedSource:
-    """A saved float32 copy (or a view of it), kept as the tensor it was cast from."""
-
-    source: torch.Tensor
-    version: int
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-
-class _HalfInputs:
-    """Casts a module's half-precision inputs to float32 and, while its forward runs,
-    saves those float32 copies for the backward as the half-precision inputs.
-
-    ``source.to(torch.float32)`` is deterministic in values and strides, so unpacking
-    rebuilds exactly the tensor (or view) that was saved. A copy modified in place before
-    it was saved no longer matches its source and is saved as it is; a source modified
-    in place after the save makes the backward raise, as autograd does for saved tensors.
-    """
-
-    def __init__(self) -> None:
-        # storage address of each live copy -> (its source, its version when made)
-        self._copies: dict[int, tuple[torch.Tensor, int]] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def cast(self, obj: Any) -> Any:
-        """``obj`` with its half-precision tensors cast to float32, the copies recorded."""
-        return _map_tensors(obj, self._upcast)
-
-    def _upcast(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dtype not in _HALF:
-            return t
-        copy_ = t.to(torch.float32)
-        if copy_.numel() and copy_.layout == torch.strided:
-            self._copies[copy_.untyped_storage().data_ptr()] = (t, copy_._version)
-        return copy_
-
-    def __enter__(self) -> None:
-        if self._copies:
-            self._hooks.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._copies:
-            self._hooks.__exit__(*exc)
-            self._copies.clear()
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        if t.dtype != torch.float32 or t.layout != torch.strided or not t.numel():
-            return t
-        entry = self._copies.get(t.untyped_storage().data_ptr())
-        if entry is None or t._version != entry[1]:
-            return t
-        source = entry[0]
-        return _SavedSource(source, source._version, t.size(), t.stride(), t.storage_offset())
-
-    @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _SavedSource):
-            return packed
-        if packed.source._version != packed.version:
-            raise RuntimeError(
-                "an input of an fp32 module, saved for the backward pass, was modified in "
-                "place after the forward (its version went from "
-                f"{packed.version} to {packed.source._version}); clone it before changing it"
-            )
-        full = packed.source.to(torch.float32)
-        if (full.size(), full.stride(), packed.offset) == (packed.size, packed.stride, 0):
-            return full  # the copy itself was saved, not a view of it
-        return full.as_strided(packed.size, packed.stride, packed.offset)
-
-
-def _float32_sum(obj: Any) -> torch.Tensor | None:
-    """Sum of every floating tensor in ``obj``, in float32 (``None`` when there is none)."""
-    total = None
-    for t in _tensors(obj):
-        if t.is_floating_point():
-            s = t.detach().sum(dtype=torch.float32)
-            total = s if total is None else total + s.to(total.device)
-    return total
+from hf_triaccel.precision.saved import HalfInputs, saved_hooks_free
 
 
 def _device_type(module: nn.Module, args: tuple, kwargs: dict) -> str:
@@ -201,7 +58,7 @@ def _device_type(module: nn.Module, args: tuple, kwargs: dict) -> str:
     """
     if args and isinstance(args[0], torch.Tensor):
         return args[0].device.type
-    for t in _tensors((args, kwargs)):
+    for t in tensors((args, kwargs)):
         return t.device.type
     for t in module.parameters():
         return t.device.type
@@ -211,7 +68,7 @@ def _device_type(module: nn.Module, args: tuple, kwargs: dict) -> str:
 def _untuned_backward(output: Any) -> None:
     """Turns cuDNN autotuning off while autograd runs the nodes that produced ``output``
     (for a convolution, its backward), and back on after each."""
-    nodes = {id(t.grad_fn): t.grad_fn for t in _tensors(output) if t.grad_fn is not None}
+    nodes = {id(t.grad_fn): t.grad_fn for t in tensors(output) if t.grad_fn is not None}
     for node in nodes.values():
         saved: list[bool] = []
 
@@ -227,7 +84,7 @@ def _untuned_backward(output: Any) -> None:
 
 
 # an active forward: region, device type, precision, fp16 input sum, untuned, fp32 inputs
-_Region = tuple[torch.autocast, str, str, torch.Tensor | None, bool, _HalfInputs | None]
+_Region = tuple[torch.autocast, str, str, torch.Tensor | None, bool, HalfInputs | None]
 
 
 class PrecisionHook:
@@ -288,8 +145,8 @@ class PrecisionHook:
         in_sum = None
         if precision == "fp16":
             with torch.no_grad():
-                in_sum = _float32_sum((args, kwargs))
-        inputs = _HalfInputs() if precision == "fp32" and _saved_hooks_free() else None
+                in_sum = float32_sum((args, kwargs))
+        inputs = HalfInputs() if precision == "fp32" and saved_hooks_free() else None
         region.__enter__()
         if untuned:
             torch.backends.cudnn.benchmark = False
@@ -299,7 +156,7 @@ class PrecisionHook:
             inputs.__enter__()
             return args, kwargs
         if precision == "fp32":
-            return _to_float32(args), _to_float32(kwargs)
+            return to_float32(args), to_float32(kwargs)
         return None
 
     def _exit(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -323,16 +180,16 @@ class PrecisionHook:
             # the layers after it compute in half precision anyway: hand the output on in
             # autocast's dtype, so that they do not save float32 copies for the backward
             dtype = torch.get_autocast_dtype(device_type)
-            return _cast_floating(output, (torch.float32,), dtype)
+            return cast_floating(output, (torch.float32,), dtype)
         if precision == "fp16":
             self._watch(in_sum, output)
         if torch.is_autocast_enabled(device_type):
             return None
-        return _to_float32(output)
+        return to_float32(output)
 
     def _watch(self, in_sum: torch.Tensor | None, output: Any) -> None:
         with torch.no_grad():
-            out_sum = _float32_sum(output)
+            out_sum = float32_sum(output)
             if out_sum is None:
                 return
             if in_sum is not None:  # non-finite inputs: the overflow arose upstream

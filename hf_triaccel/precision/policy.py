@@ -35,6 +35,7 @@ _ALIASES = {
     **{p: p for p in PRECISIONS},
 }
 
+
 def as_precision(value: str | torch.dtype) -> str:
     """The canonical precision name of ``value`` (a name or a torch dtype).
 
@@ -109,10 +110,9 @@ class PrecisionPolicy:
         rules: :class:`PrecisionRule` objects or ``(match, precision)`` pairs; the first
             matching rule wins over the automatic choice (normalisation layers stay fp32
             whatever the rules say).
-        fp32_fraction: share of the compute and of the activations in fp32 (default
-            0.005, small on purpose: on a CIFAR ResNet-18, 3% of the compute alone put
-            downsampling convolutions in fp32 and cost 5-6% more time and 8% more peak
-            memory than bf16; BENCHMARKS.md has the measurements).
+        fp32_fraction: share of the compute and of the activations in fp32 (small by
+            default, on purpose: a few percent already puts whole convolutions in fp32,
+            at a cost in time and peak memory that BENCHMARKS.md records).
         fp16_fraction: share of the compute and of the activations in fp16 (0 disables
             fp16; fp16 regions need a loss scaler, as in any fp16 training).
         margin: hysteresis margin, in the unit of ``q``.
