@@ -22,8 +22,7 @@ Only ``m`` moves:
 * **Grow back.** After ``grow_after`` steps without a shrink, ``m`` grows to what
   the device can give again.
 * **Data parallel.** Ranks agree on ``m`` (all-reduce MIN) at every check, and only
-  the last piece synchronises gradients (``no_sync()`` for the others;
-  :mod:`hf_triaccel.memory.distributed`).
+  the last piece synchronises gradients (``no_sync()`` for the others).
 
 The controller knows nothing of the Trainer: :meth:`ElasticBatchController.run_step`
 takes a batch, a function that computes the loss of a piece, and the model.
@@ -109,14 +108,11 @@ class ElasticBatchController:
         process_group: Any = None,
     ) -> None:
         max_micro_batch = effective_batch if max_micro_batch is None else max_micro_batch
+        low, high, E = min_micro_batch, max_micro_batch, effective_batch
         checks = [
-            ("effective_batch", effective_batch >= 1, "needs >= 1"),
-            ("min_micro_batch", 1 <= min_micro_batch <= effective_batch, "needs 1 <= min <= E"),
-            (
-                "max_micro_batch",
-                min_micro_batch <= max_micro_batch <= effective_batch,
-                "needs min <= max <= E",
-            ),
+            ("effective_batch", E >= 1, "needs >= 1"),
+            ("min_micro_batch", 1 <= low <= E, "needs 1 <= min <= E"),
+            ("max_micro_batch", low <= high <= E, "needs min <= max <= E"),
             ("target_fraction", 0.0 < target_fraction <= 1.0, "needs 0 < fraction <= 1"),
             ("check_every", check_every >= 1, "needs >= 1"),
             ("grow_after", grow_after >= 0, "needs >= 0"),
@@ -313,7 +309,7 @@ class ElasticBatchController:
 
     def _running_stats(self, model: nn.Module) -> RunningStatsRollback:
         if self._stats_rollback is None or self._stats_rollback[0] is not model:
-            self._stats_rollback = (model, RunningStatsRollback(model))
+            self._stats_rollback = (model, RunningStatsRollback(model))  # one per model
         return self._stats_rollback[1]
 
     def _attempt(
