@@ -45,6 +45,27 @@ class FactorLayout:
         return (k // self.g_div) % self.g_mod, (k // self.a_div) % self.a_mod + self.a_off
 
 
+def check_statistic_out(out: torch.Tensor, n: int, device: torch.device) -> None:
+    """Raises ``ValueError`` unless ``out`` can receive a statistic of length ``n`` computed
+    on ``device``: the destination contract of every Fisher reduction, reference or kernel
+    (a contiguous float32 vector, written in place).
+
+    Example:
+        >>> check_statistic_out(torch.zeros(3), 3, torch.device("cpu"))
+        >>> check_statistic_out(torch.zeros(2), 3, torch.device("cpu"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: out must be a contiguous float32 tensor of shape (3,), got ...
+    """
+    if out.dtype != torch.float32 or out.shape != (n,) or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float32 tensor of shape ({n},), got {out.dtype} of "
+            f"shape {tuple(out.shape)}"
+        )
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, the input on {device}")
+
+
 @dataclass(frozen=True)
 class ParamFactors:
     """What the update needs for one parameter: its two factor vectors and layout."""

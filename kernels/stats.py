@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_triaccel._types import EMA_MODES, NORMALISE_EPS
+from hf_triaccel._types import EMA_MODES, NORMALISE_EPS, check_statistic_out
 
 # Sizes below were picked by measurement on an H200 (bf16 inputs, 64 to 150K columns).
 # Elements in one loaded tile: 16 elements per thread with 8 warps.
@@ -60,6 +60,36 @@ def _store_result(
     if ACCUMULATE:
         total += tl.load(out_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, total, mask=mask)
+
+
+@triton.jit
+def _load_term(ptrs, mask, SQUARE: tl.constexpr):
+    """The masked tile at ``ptrs`` in float32 (0 where masked), squared when ``SQUARE``."""
+    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if SQUARE:
+        v = v * v
+    return v
+
+
+@triton.jit
+def _write_totals(
+    dst_ptr,
+    offs,
+    mask,
+    total,
+    split,
+    n,
+    scale,
+    FINAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    SQUARE_RESULT: tl.constexpr,
+):
+    """A program's sums: through the epilogue into ``dst`` (n,) when ``FINAL``, else into
+    row ``split`` of the (splits, n) partials buffer ``dst``."""
+    if FINAL:
+        _store_result(dst_ptr, offs, mask, total, scale, ACCUMULATE, SQUARE_RESULT)
+    else:
+        tl.store(dst_ptr + split * n + offs, total, mask=mask)
 
 
 @triton.jit
@@ -99,16 +129,11 @@ def _sum_rows_kernel(
         mask = (rows < row_end)[:, None] & col_mask[None, :]  # (BLOCK_N, BLOCK_D)
         # int64 row offsets: N * stride can pass 2^31 elements.
         ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
-        v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        if SQUARE:
-            acc += v * v
-        else:
-            acc += v
+        acc += _load_term(ptrs, mask, SQUARE)
     total = tl.sum(acc, axis=0)
-    if FINAL:
-        _store_result(dst_ptr, cols, col_mask, total, scale, ACCUMULATE, SQUARE_RESULT)
-    else:
-        tl.store(dst_ptr + pid_s * n_cols + cols, total, mask=col_mask)
+    _write_totals(
+        dst_ptr, cols, col_mask, total, pid_s, n_cols, scale, FINAL, ACCUMULATE, SQUARE_RESULT
+    )
 
 
 @triton.jit
@@ -152,16 +177,11 @@ def _channel_sum_kernel(
         pos = (t - b * n_pos_blocks) * BLOCK_L + tl.arange(0, BLOCK_L)  # (BLOCK_L,)
         mask = chan_mask[:, None] & (pos < n_pos)[None, :]  # (BLOCK_C, BLOCK_L)
         ptrs = x_ptr + b.to(tl.int64) * stride_b + chan_off[:, None] + pos[None, :]
-        v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        if SQUARE:
-            acc += v * v
-        else:
-            acc += v
+        acc += _load_term(ptrs, mask, SQUARE)
     total = tl.sum(acc, axis=1)
-    if FINAL:
-        _store_result(dst_ptr, chans, chan_mask, total, scale, ACCUMULATE, SQUARE_RESULT)
-    else:
-        tl.store(dst_ptr + pid_s * n_chan + chans, total, mask=chan_mask)
+    _write_totals(
+        dst_ptr, chans, chan_mask, total, pid_s, n_chan, scale, FINAL, ACCUMULATE, SQUARE_RESULT
+    )
 
 
 @triton.jit
@@ -370,13 +390,7 @@ def _destination(
         if accumulate:
             raise ValueError("accumulate=True needs an out tensor to add to")
         return torch.empty(n, dtype=torch.float32, device=device)
-    if out.dtype != torch.float32 or out.shape != (n,) or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous float32 tensor of shape ({n},), got {out.dtype} of "
-            f"shape {tuple(out.shape)}"
-        )
-    if out.device != device:
-        raise ValueError(f"out is on {out.device}, the input on {device}")
+    check_statistic_out(out, n, device)
     return out
 
 

@@ -17,30 +17,32 @@ from collections.abc import Callable
 
 import torch
 
+from hf_triaccel._types import check_statistic_out
 from hf_triaccel.dispatch import resolve_impl
 
 Reduction = Callable[..., torch.Tensor]
 
 
-def _epilogue(
-    sums: torch.Tensor,
+def _reference_sums(
+    x: torch.Tensor,
+    dims: int | tuple[int, ...],
+    square: bool,
     out: torch.Tensor | None,
     scale: float,
     accumulate: bool,
     square_result: bool,
 ) -> torch.Tensor:
-    """Applies the shared epilogue to freshly computed float32 ``sums``."""
+    """Sums of ``x`` (of ``x * x`` when ``square``) over ``dims`` in float32, through the
+    shared epilogue."""
+    x = x.float()
+    sums = (x * x).sum(dims) if square else x.sum(dims)
     if square_result:
         sums = sums * sums
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs an out tensor to add to")
         return sums if scale == 1.0 else sums.mul_(scale)
-    if out.dtype != torch.float32 or out.shape != sums.shape or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous float32 tensor of shape {tuple(sums.shape)}, got "
-            f"{out.dtype} of shape {tuple(out.shape)}"
-        )
+    check_statistic_out(out, sums.numel(), x.device)
     if accumulate:
         return out.add_(sums, alpha=scale)
     return torch.mul(sums, scale, out=out)
@@ -59,9 +61,7 @@ def sum_rows_reference(
 
     The keyword arguments are those of :func:`sum_rows`.
     """
-    x = x.float()
-    sums = (x * x).sum(0) if square else x.sum(0)
-    return _epilogue(sums, out, scale, accumulate, square_result)
+    return _reference_sums(x, 0, square, out, scale, accumulate, square_result)
 
 
 def channel_sum_reference(
@@ -77,9 +77,7 @@ def channel_sum_reference(
 
     The keyword arguments are those of :func:`sum_rows`.
     """
-    x = x.float()
-    sums = (x * x).sum((0, 2)) if square else x.sum((0, 2))
-    return _epilogue(sums, out, scale, accumulate, square_result)
+    return _reference_sums(x, (0, 2), square, out, scale, accumulate, square_result)
 
 
 def reductions_for(impl: str | None, device: torch.device) -> tuple[Reduction, Reduction]:
