@@ -305,6 +305,17 @@ def _finish(
     )
 
 
+def _flags(square: bool, final: bool, accumulate: bool, square_result: bool) -> dict[str, bool]:
+    """A reduction kernel's constexpr flags: the epilogue runs in the kernel when its
+    single split gives the totals, else in the finishing pass."""
+    return {
+        "SQUARE": square,
+        "FINAL": final,
+        "ACCUMULATE": accumulate and final,
+        "SQUARE_RESULT": square_result and final,
+    }
+
+
 def _launch_sum_rows(
     x: torch.Tensor,
     square: bool,
@@ -326,10 +337,7 @@ def _launch_sum_rows(
         x.stride(0),
         rows_per_split,
         scale,
-        SQUARE=square,
-        FINAL=final,
-        ACCUMULATE=accumulate and final,
-        SQUARE_RESULT=square_result and final,
+        **_flags(square, final, accumulate, square_result),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=_NUM_WARPS,
@@ -365,10 +373,7 @@ def _launch_channel_sum(
         items_per_split,
         n_items,
         scale,
-        SQUARE=square,
-        FINAL=final,
-        ACCUMULATE=accumulate and final,
-        SQUARE_RESULT=square_result and final,
+        **_flags(square, final, accumulate, square_result),
         BLOCK_C=block_c,
         BLOCK_L=block_l,
         num_warps=_NUM_WARPS,
