@@ -38,14 +38,18 @@ MAX_LINES = 400
 REASON_WITHIN = 30
 
 
+def listed_packages() -> list[str]:
+    """The packages pyproject.toml installs."""
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["setuptools"]["packages"]
+
+
 def package_dirs() -> dict[str, Path]:
     """Each package of the distribution (as pyproject.toml lists them) -> the folder Python
     imports it from."""
-    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        packages = tomllib.load(f)["tool"]["setuptools"]["packages"]
     dirs = {}
-    for name in packages:
+    for name in listed_packages():
         spec = importlib.util.find_spec(name)
         assert spec is not None and spec.submodule_search_locations, f"{name} is not installed"
         dirs[name] = Path(next(iter(spec.submodule_search_locations)))
@@ -93,6 +97,20 @@ def installed_copy(tmp_path_factory) -> Path:
         for path in sources:
             shutil.copy2(path, target / path.name)
     return root
+
+
+def test_every_package_is_installed():
+    """Every folder with an ``__init__.py`` below an installed package is listed in
+    pyproject.toml's packages: one that is not works in an editable install and is
+    missing from a wheel."""
+    listed = set(listed_packages())
+    missing = []
+    for package, folder in package_dirs().items():
+        for init in folder.glob("*/__init__.py"):
+            name = f"{package}.{init.parent.name}"
+            if name not in listed:
+                missing.append(name)
+    assert missing == []
 
 
 def test_import_contracts(installed_copy):

@@ -30,8 +30,8 @@ class NoiseProbe:
         >>> for grad in ([1.0, 1.0, 1.0], [3.0, 3.0, 3.0]):
         ...     param.grad = torch.tensor(grad)
         ...     update_probes([probe], beta=0.5)
-        >>> [round(m.item(), 6) for m in probe.moments(beta=0.5)]  # unbiased variance, E[g^2]
-        [2.0, 6.333333]
+        >>> [round(m.item(), 4) for m in probe.moments(beta=0.5)]  # unbiased variance, E[g^2]
+        [2.0, 6.3333]
     """
 
     def __init__(
