@@ -223,7 +223,8 @@ def test_the_tests_import_the_installed_package():
 
     # the installed metadata, not the checkout's own egg-info in the current folder
     site = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
-    (dist,) = [d for d in importlib.metadata.distributions(path=site) if d.name == "hf-triaccel"]
+    # the first along the path, as Python's import found the package
+    dist = next(importlib.metadata.distributions(name="hf-triaccel", path=site))
     direct_url = dist.read_text("direct_url.json")
     editable = bool(direct_url) and json.loads(direct_url).get("dir_info", {}).get("editable")
     package = Path(hf_triaccel.__file__).resolve().parent
