@@ -26,18 +26,7 @@ sensitivity ``s = c * ||W||^2 * v``
     perturbation of the module's weights (as low-precision rounding causes), weighted by
     the gradient noise ratio.
 
-Example:
-    >>> from torch import nn
-    >>> from hf_triaccel import AdaFisherW
-    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    >>> optimizer = AdaFisherW.from_model(model, lr=1e-3)
-    >>> tracker = SignalTracker(optimizer.collector, optimizer, every=2)
-    >>> for _ in range(2):
-    ...     model(torch.randn(4, 8)).square().mean().backward()
-    ...     optimizer.step()
-    ...     optimizer.zero_grad()
-    >>> sorted(tracker.signals)
-    ['0', '2']
+The tracker follows an optimizer through its step hooks (:meth:`SignalTracker.attach`).
 """
 
 from __future__ import annotations
