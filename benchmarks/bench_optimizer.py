@@ -1,152 +1,74 @@
 """Optimizer-step time of AdaFisher / AdaFisherW against torch.optim.AdamW(fused=True).
 
-Only ``opt.step()`` is timed. Gradients are filled with random values once and shared
-by every optimizer; the step is then repeated many times. AdaFisher first runs one
-real forward/backward and one step, so that its factors hold a real fold, with
-``update_every`` so large that no timed step refreshes them: the timed step is the
-steady-state update that runs on all but one step in ``update_every``.
-
-Models: the CIFAR-stem ResNet-18 (11.2M parameters) and ViT-B/16 (86.6M), fp32.
-Each time is reported next to AdamW(fused) measured in the same run, and against
-the HBM floor of the update: 20 bytes per parameter (read parameter, gradient and
-momentum, write parameter and momentum) at the device-to-device copy bandwidth
-measured in the same run. A last set of rows captures the step in a CUDA graph
-(learning rate as a tensor) to show that it is capturable and what it costs
-without launch overhead; a capture that fails is reported, not raised.
+Only ``opt.step()`` runs, on the fp32 CIFAR ResNet-18 and ViT-B/16 with random gradients
+left in place. Default: device time, eager then captured in a CUDA graph, against AdamW
+and the HBM floor of the update; AdaFisher's factors folded once first, refreshed by no
+timed step. ``--host``: the step's host time, torch operators and Triton launches,
+AdaFisherW (Triton) against AdamW (on a CPU the launches are counted, not run, and the
+models narrowed). README.md: method and columns.
 
 Usage:
     python benchmarks/bench_optimizer.py --out "$OUT"
-    python benchmarks/bench_optimizer.py --smoke --out /tmp/bench   # CPU, tiny models
+    python benchmarks/bench_optimizer.py --host --out "$OUT"
+    python benchmarks/bench_optimizer.py --smoke [--host] --out /tmp/bench   # CPU
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Sequence
 from typing import Any
 
+import harness
+import numpy as np
 import torch
 import torch.nn.functional as F
-from common import (
-    LR,
-    WEIGHT_DECAY,
-    base_parser,
-    benchmark,
-    cifar_resnet18,
-    copy_bandwidth,
-    count_params,
-    environment,
-    fmt,
-    free_memory,
-    markdown_table,
-    out_dir,
-    report_error,
-    resolve_device,
-    resolve_impls,
-    synchronize,
-    vit_b16,
-    write_results,
-)
-from torch import nn
 
-from hf_triaccel import AdaFisher, AdaFisherW
+from hf_triaccel import AdaFisher
 
 # bytes moved per parameter by a fused fp32 AdaFisher update: read theta, grad and
 # momentum, write theta and momentum (the factors are per row / column, negligible)
 BYTES_PER_PARAM = 20
-# an update_every no benchmark reaches: only the priming step refreshes the factors
-NEVER = 10**9
-ADAFISHER = {"AdaFisher": AdaFisher, "AdaFisherW": AdaFisherW}
+# name -> (timm model, input of AdaFisher's priming forward at full size, smaller sizes)
+MODELS = {
+    "resnet18-cifar": ("resnet18_cifar", (128, 3, 32, 32), (4, 3, 16, 16)),
+    "vit-b16": ("vit_base_patch16_224", (16, 3, 224, 224), (2, 3, 32, 32)),
+}
+OPTIONS = {
+    "warmup_ms": (float, 5.0, 100.0, "warm-up budget per timing"),
+    "rep_ms": (float, 20.0, 1000.0, "timed budget per timing"),
+    "step_reps": (int, 20, 2000, "--host: timed steps per optimizer"),
+}
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model to benchmark and the input of its priming forward pass."""
-
-    name: str
-    build: Callable[[], nn.Module]
-    input_shape: tuple[int, ...]
-
-
-def model_specs(smoke: bool) -> list[ModelSpec]:
-    """The benchmarked models, tiny under ``--smoke``."""
-    return [
-        ModelSpec(
-            "resnet18-cifar",
-            partial(cifar_resnet18, tiny=smoke),
-            (4, 3, 16, 16) if smoke else (128, 3, 32, 32),
-        ),
-        ModelSpec(
-            "vit-b16", partial(vit_b16, tiny=smoke), (2, 3, 32, 32) if smoke else (16, 3, 224, 224)
-        ),
-    ]
+def copy_bandwidth(nbytes: int, args: Any) -> dict[str, Any]:
+    """Device-to-device copy bandwidth of an ``nbytes`` fp32 tensor, counting bytes read
+    plus bytes written (``gbytes_per_s``, 1e9 bytes/s)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=args.device)
+    dst = torch.empty_like(src)
+    ms = harness.benchmark(lambda: dst.copy_(src), args.device, **args.timing)["median_ms"]
+    return {"bytes": nbytes, "median_ms": ms, "gbytes_per_s": 2 * nbytes / (ms * 1e-3) / 1e9}
 
 
-def prime(model: nn.Module, input_shape: Sequence[int], device: torch.device) -> None:
-    """One forward/backward on random data, so that the collector has statistics."""
-    x = torch.randn(*input_shape, device=device)
-    logits = model(x)
-    y = torch.randint(0, logits.shape[-1], (input_shape[0],), device=device)
-    F.cross_entropy(logits, y).backward()
-
-
-def make_optimizer(
-    kind: str,
-    impl: str,
-    model: nn.Module,
-    spec: ModelSpec,
-    device: torch.device,
-    *,
-    lr: float | torch.Tensor,
-) -> torch.optim.Optimizer:
-    """Builds an optimizer and, for AdaFisher, runs the priming step.
-
-    Args:
-        kind: ``"AdamW"``, ``"AdaFisher"`` or ``"AdaFisherW"``.
-        impl: the AdaFisher implementation (ignored for AdamW, which is always fused).
-        model: the model whose parameters are optimised.
-        spec: its benchmark spec (priming input).
-        device: where it lives.
-        lr: learning rate; a tensor makes the step capturable in a CUDA graph.
-
-    Returns:
-        The optimizer, ready for steps that do not refresh any Fisher factor.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    if kind == "AdamW":
-        return torch.optim.AdamW(
-            params,
-            lr=lr,
-            weight_decay=WEIGHT_DECAY,
-            fused=True,
-            capturable=isinstance(lr, torch.Tensor),
-        )
-    opt = ADAFISHER[kind].from_model(
-        model, impl=impl, update_every=NEVER, lr=lr, weight_decay=WEIGHT_DECAY
-    )
-    model.zero_grad(set_to_none=True)
-    prime(model, spec.input_shape, device)
-    opt.step()
-    if opt.collector.collecting:
-        raise RuntimeError("the collector still collects after the priming step")
+def ready_optimizer(kind: str, impl: str, model: torch.nn.Module, shape, lr) -> Any:
+    """The optimizer with the model's gradients in place; AdaFisher after one real
+    forward/backward and step, so that its factors hold a real fold and no later step
+    refreshes them (checked)."""
+    opt = harness.make_optimizer(kind, model, impl=impl, update_every=harness.NEVER, lr=lr)
+    if isinstance(opt, AdaFisher):
+        device = next(model.parameters()).device
+        model.zero_grad(set_to_none=True)
+        logits = model(torch.randn(*shape, device=device))
+        y = torch.randint(0, logits.shape[-1], (shape[0],), device=device)
+        F.cross_entropy(logits, y).backward()
+        opt.step()
+        if opt.collector.collecting:
+            raise RuntimeError("the collector still collects after the priming step")
     return opt
 
 
-def install_grads(model: nn.Module, grads: list[torch.Tensor]) -> None:
-    """Points every parameter's ``.grad`` at the shared random gradients."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g
-
-
 def capture_step(opt: torch.optim.Optimizer, device: torch.device) -> torch.cuda.CUDAGraph:
-    """Captures one ``opt.step()`` in a CUDA graph.
-
-    Warm-up runs on a side stream first, as torch requires, which also compiles any
-    Triton kernel before capture (compiling cannot be captured).
-    """
+    """Captures one ``opt.step()`` in a CUDA graph, after warm-up steps on a side stream
+    (which also compile any Triton kernel: compiling cannot be captured)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -159,216 +81,142 @@ def capture_step(opt: torch.optim.Optimizer, device: torch.device) -> torch.cuda
     return graph
 
 
-def measure(
-    spec: ModelSpec,
-    model: nn.Module,
-    grads: list[torch.Tensor],
-    kind: str,
-    impl: str,
-    device: torch.device,
-    timing: dict[str, float],
-    *,
-    cuda_graph: bool,
-) -> dict[str, Any]:
-    """Times one optimizer's step on one model; failures become the row's note.
-
-    Returns:
-        A result row: model, optimizer, impl, cuda_graph, status (``ok`` / ``error``),
-        timing fields and a note.
-    """
-    row: dict[str, Any] = {
-        "model": spec.name,
-        "optimizer": kind,
-        "impl": "fused" if kind == "AdamW" else impl,
-        "cuda_graph": cuda_graph,
-        "status": "ok",
-        "median_ms": None,
-        "note": None,
-    }
-    opt = graph = None
-    try:
-        lr = torch.tensor(LR, device=device) if cuda_graph else LR
-        opt = make_optimizer(kind, impl, model, spec, device, lr=lr)
-        install_grads(model, grads)
-        if cuda_graph:
-            graph = capture_step(opt, device)
-            probe = next(p for p in model.parameters() if p.requires_grad)
-            before = probe.detach().clone()
-            graph.replay()
-            synchronize(device)
-            if torch.equal(before, probe):
-                raise RuntimeError("the captured step left the parameters unchanged")
-            row.update(benchmark(graph.replay, device, **timing))
-        else:
-            row.update(benchmark(opt.step, device, **timing))
-    except Exception as exc:  # a failing variant must not hide the others' results
-        row["status"] = "error"
-        row["note"] = report_error(exc)
-    finally:
+def run_model(name: str, variants: list, args: Any, mode: str) -> list:
+    """Builds model ``name`` once and measures every ``(optimizer, impl)`` variant's step
+    on it; ``mode``: ``"eager"``, ``"graph"`` or ``"host"``. Returns one row each."""
+    timm_name, full_shape, smoke_shape = MODELS[name]
+    device = args.device
+    classes = {"num_classes": 10} if mode == "host" else {}
+    model = harness.build_model(timm_name, args.size, **classes).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.randn_like(p) for p in params]
+    rows = []
+    for kind, impl in variants:
+        row = {"model": name, "optimizer": kind, "impl": impl, "cuda_graph": mode == "graph"}
+        row.update(status="ok", median_ms=None, tensors=len(params), note=None)
+        row["n_params"] = sum(p.numel() for p in params)
+        opt = step = None
+        with harness.variant(row):
+            lr = torch.tensor(harness.LR, device=device) if mode == "graph" else harness.LR
+            shape = full_shape if args.size == "full" else smoke_shape
+            opt = ready_optimizer(kind, impl, model, shape, lr)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            step = opt.step
+            if mode == "graph":
+                step = capture_step(opt, device).replay
+                before = params[0].detach().clone()
+                step()
+                harness.synchronize(device)
+                if torch.equal(before, params[0]):
+                    raise RuntimeError("the captured step left the parameters unchanged")
+            if mode != "host":
+                row.update(harness.benchmark(step, device, **args.timing))
+            else:
+                row.update(host_costs(step, device, args.step_reps, args.counter))
         if isinstance(opt, AdaFisher):
             opt.collector.remove()
-        # drop the optimizer state and the graph's memory pool before the next variant
-        opt = graph = None
-        free_memory(device)
-    return row
+        opt = step = None  # the optimizer state and the graph's pool go before the next
+        harness.free_memory(device)
+        rows.append(row)
+    return rows
 
 
-def run_model(
-    spec: ModelSpec,
-    variants: list[tuple[str, str]],
-    device: torch.device,
-    timing: dict[str, float],
-    *,
-    cuda_graph: bool,
-) -> tuple[int, list[dict[str, Any]]]:
-    """Builds ``spec``'s model once and measures every variant on it.
-
-    Returns:
-        The model's parameter count and one row per variant.
-    """
-    torch.manual_seed(0)
-    model = spec.build().to(device).train()
-    grads = [torch.randn_like(p) for p in model.parameters() if p.requires_grad]
-    rows = [
-        measure(spec, model, grads, kind, impl, device, timing, cuda_graph=cuda_graph)
-        for kind, impl in variants
-    ]
-    n_params = count_params(model)
-    del model, grads
-    free_memory(device)
-    return n_params, rows
-
-
-def add_ratios(rows: list[dict[str, Any]], floors: dict[str, float]) -> None:
-    """Adds ``vs_adamw`` (against eager AdamW(fused), same model, same run) and
-    ``vs_hbm_floor`` to every measured row."""
-    base = {
-        r["model"]: r["median_ms"]
-        for r in rows
-        if r["optimizer"] == "AdamW" and not r["cuda_graph"] and r["median_ms"]
-    }
-    for r in rows:
-        ms = r["median_ms"]
-        r["vs_adamw"] = ms / base[r["model"]] if ms and r["model"] in base else None
-        r["vs_hbm_floor"] = ms / floors[r["model"]] if ms else None
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """The results as a markdown table."""
-    headers = [
-        "model",
-        "optimizer",
-        "impl",
-        "CUDA graph",
-        "step ms (median)",
-        "p20-p80 ms",
-        "x AdamW(fused)",
-        f"x HBM floor ({BYTES_PER_PARAM} B/param)",
-        "note",
-    ]
-    body = [
-        [
-            r["model"],
-            r["optimizer"],
-            r["impl"],
-            "yes" if r["cuda_graph"] else "no",
-            fmt(r["median_ms"]),
-            f"{fmt(r.get('p20_ms'))}-{fmt(r.get('p80_ms'))}" if r["median_ms"] else "n/a",
-            fmt(r["vs_adamw"], ".2f", "x"),
-            fmt(r["vs_hbm_floor"], ".2f", "x"),
-            (r["note"] or "")[:200],
-        ]
-        for r in rows
-    ]
-    return markdown_table(headers, body)
+def host_costs(step: Any, device: torch.device, reps: int, counter: Any) -> dict[str, Any]:
+    """Host time (median, 20th percentile), operators and launches of a step."""
+    for _ in range(5):
+        step()
+    harness.synchronize(device)
+    before = counter.count
+    ops = harness.count_aten_ops(step)
+    launches = counter.count - before
+    times = [harness.wall_ms(step, device, wait=False) for _ in range(reps)]
+    harness.synchronize(device)
+    us = 1e3 * np.percentile(times, [50, 20])
+    return {"host_us": float(us[0]), "p20_us": float(us[1]), "aten_ops": ops, "launches": launches}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints a markdown table and writes bench_optimizer.json.
-
-    Args:
-        argv: command-line arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        0, or 1 when an eager (non-graph) variant failed.
-    """
-    parser = base_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--warmup-ms", type=float, default=None, help="warm-up budget per timing")
-    parser.add_argument("--rep-ms", type=float, default=None, help="timed budget per timing")
-    args = parser.parse_args(argv)
-    argv = list(argv) if argv is not None else sys.argv[1:]
-    device = resolve_device(args.device)
-    impls = resolve_impls(args.impls, device)
-    timing = (
-        {"warmup_ms": 5.0, "rep_ms": 20.0} if args.smoke else {"warmup_ms": 100.0, "rep_ms": 1000.0}
-    )
-    if args.warmup_ms is not None:
-        timing["warmup_ms"] = args.warmup_ms
-    if args.rep_ms is not None:
-        timing["rep_ms"] = args.rep_ms
-    specs = model_specs(args.smoke)
-
-    bandwidth = copy_bandwidth(device, (1 << 22) if args.smoke else (1 << 31), **timing)
-    eager = [("AdamW", "fused")] + [(k, impl) for impl in impls for k in ADAFISHER]
-    rows: list[dict[str, Any]] = []
-    models: dict[str, dict[str, Any]] = {}
-    for spec in specs:
-        n_params, model_rows = run_model(spec, eager, device, timing, cuda_graph=False)
-        floor_ms = BYTES_PER_PARAM * n_params / (bandwidth["gbytes_per_s"] * 1e9) * 1e3
-        models[spec.name] = {"n_params": n_params, "hbm_floor_ms": floor_ms}
-        rows += model_rows
+    """Runs the benchmark; returns 1 when a variant that is not a CUDA graph failed."""
+    parser = harness.base_parser(__doc__.split("\n\n")[0], OPTIONS)
+    parser.add_argument("--host", action="store_true", help="host work instead of device time")
+    args = harness.parse(parser, argv)
+    args.timing = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms}
+    if args.host:
+        return host(args)
+    bandwidth = copy_bandwidth((1 << 22) if args.smoke else (1 << 31), args)
+    eager = [("AdamW", "fused")]
+    eager += [(kind, impl) for impl in args.impls for kind in ("AdaFisher", "AdaFisherW")]
+    rows = [r for name in MODELS for r in run_model(name, eager, args, "eager")]
     # graphs last: a failed capture cannot disturb the eager measurements
-    graphed = [("AdamW", "fused")] + [("AdaFisher", impl) for impl in impls]
-    for spec in specs:
-        if device.type == "cuda":
-            rows += run_model(spec, graphed, device, timing, cuda_graph=True)[1]
-        else:
-            rows += [
-                {
-                    "model": spec.name,
-                    "optimizer": kind,
-                    "impl": "fused" if kind == "AdamW" else impl,
-                    "cuda_graph": True,
-                    "status": "skipped",
-                    "median_ms": None,
-                    "note": "CUDA graphs need a CUDA device",
-                }
-                for kind, impl in graphed
-            ]
-    add_ratios(rows, {name: m["hbm_floor_ms"] for name, m in models.items()})
-
-    env = environment(__file__, argv, device)
-    text = table(rows)
-    print(f"device: {env['device']}; torch {env['torch']}, triton {env['triton']}")
-    print(
-        f"copy bandwidth (read + write): {bandwidth['gbytes_per_s']:.0f} GB/s "
-        f"over {bandwidth['bytes'] / 2**20:.0f} MiB"
-    )
+    graphed = [("AdamW", "fused")] + [("AdaFisher", impl) for impl in args.impls]
+    for name in MODELS:
+        if args.device.type == "cuda":
+            rows += run_model(name, graphed, args, "graph")
+            continue
+        for kind, impl in graphed:
+            row = {"model": name, "optimizer": kind, "impl": impl, "cuda_graph": True}
+            rows.append({**row, "status": "skipped", "median_ms": None, "note": "needs CUDA"})
+    models = {}
+    for name in MODELS:  # graph rows too are against the eager AdamW of their model
+        mine = [r for r in rows if r["model"] == name]
+        eager_adamw = lambda r: r["optimizer"] == "AdamW" and not r["cuda_graph"]
+        harness.add_ratio(mine, "median_ms", "vs_adamw", eager_adamw)
+        floor_ms = BYTES_PER_PARAM * mine[0]["n_params"] / bandwidth["gbytes_per_s"] / 1e6
+        models[name] = {"n_params": mine[0]["n_params"], "hbm_floor_ms": floor_ms}
+        for r in mine:
+            r["vs_hbm_floor"] = r["median_ms"] / floor_ms if r["median_ms"] else None
+    print(f"copy bandwidth (read + write): {bandwidth['gbytes_per_s']:.0f} GB/s")
     for name, m in models.items():
-        print(
-            f"{name}: {m['n_params'] / 1e6:.2f}M params, HBM floor "
-            f"{m['hbm_floor_ms']:.4f} ms at {BYTES_PER_PARAM} B/param"
-        )
-    print(text)
-    payload = {
-        "env": env,
-        "config": {
-            "smoke": args.smoke,
-            "impls": impls,
-            "timing": timing,
-            "lr": LR,
-            "weight_decay": WEIGHT_DECAY,
-            "param_dtype": "float32",
-            "bytes_per_param": BYTES_PER_PARAM,
-        },
-        "copy_bandwidth": bandwidth,
-        "models": models,
-        "results": rows,
+        print(f"{name}: {m['n_params'] / 1e6:.2f}M params, HBM floor {m['hbm_floor_ms']:.4f} ms")
+    fmt = harness.fmt
+    columns = {
+        "model": lambda r: r["model"],
+        "optimizer": lambda r: r["optimizer"],
+        "impl": lambda r: r["impl"],
+        "CUDA graph": lambda r: "yes" if r["cuda_graph"] else "no",
+        "step ms (median)": lambda r: fmt(r["median_ms"]),
+        "p20-p80 ms": lambda r: f"{fmt(r.get('p20_ms'))}-{fmt(r.get('p80_ms'))}",
+        "x AdamW(fused)": lambda r: fmt(r["vs_adamw"], ".2f", "x"),
+        f"x HBM floor ({BYTES_PER_PARAM} B/param)": lambda r: fmt(r["vs_hbm_floor"], ".2f", "x"),
+        "note": harness.note,
     }
-    path = write_results(out_dir(args.out), "bench_optimizer", payload, text)
-    print(f"wrote {path}")
-    failed = [r for r in rows if r["status"] == "error" and not r["cuda_graph"]]
-    return 1 if failed else 0
+    config = {"lr": harness.LR, "weight_decay": harness.WEIGHT_DECAY, "param_dtype": "float32"}
+    payload = {"config": config, "copy_bandwidth": bandwidth, "models": models, "results": rows}
+    harness.finish("bench_optimizer", __file__, args, payload, harness.table(rows, columns))
+    return 1 if any(r["status"] == "error" and not r["cuda_graph"] for r in rows) else 0
+
+
+def host(args: Any) -> int:
+    """``--host``: AdamW(fused) and AdaFisherW(triton) per model, narrowed on a CPU."""
+    cuda = args.device.type == "cuda"
+    args.size = "full" if cuda else "narrow"  # the module structure: the same host work
+    args.counter = harness.LaunchCounter(stub=not cuda)
+    variants = [("AdamW", "fused"), ("AdaFisherW", "triton")]
+    try:
+        rows = [r for name in MODELS for r in run_model(name, variants, args, "host")]
+    finally:
+        args.counter.restore()
+    for name in MODELS:
+        mine = [r for r in rows if r["model"] == name]
+        harness.add_ratio(mine, "host_us", "vs_adamw", lambda r: r["optimizer"] == "AdamW")
+    fmt = harness.fmt
+    columns = {
+        "model": lambda r: r["model"],
+        "optimizer": lambda r: f"{r['optimizer']}({r['impl']})",
+        "tensors": lambda r: r["tensors"],
+        "opt.step() host us": lambda r: fmt(r.get("host_us"), ".1f"),
+        "p20 us": lambda r: fmt(r.get("p20_us"), ".1f"),
+        "aten ops": lambda r: r.get("aten_ops"),
+        "launches": lambda r: r.get("launches"),
+        # AdamW's update runs on a CPU within its host time: a ratio only on CUDA
+        "x AdamW": lambda r: fmt(r["vs_adamw"] if cuda else None, ".2f", "x"),
+        "note": harness.note,
+    }
+    del args.counter
+    payload = {"config": {"stub_kernels": not cuda}, "results": rows}
+    harness.finish("bench_optimizer_host", __file__, args, payload, harness.table(rows, columns))
+    return 1 if any(r["status"] == "error" for r in rows) else 0
 
 
 if __name__ == "__main__":

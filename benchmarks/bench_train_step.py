@@ -1,246 +1,168 @@
-"""Full training-step time and peak memory: AdaFisherW against torch.optim.AdamW(fused=True).
+"""Training step of the CIFAR ResNet-18: AdaFisherW against torch.optim.AdamW(fused=True).
 
-One step is zero_grad + forward + backward + ``opt.step()`` of the CIFAR-stem
-ResNet-18 at batch 512 under bf16 autocast, on one random batch (random images and
-labels on the device). AdaFisherW is measured twice per implementation:
-
-- refresh: ``update_every=1``, so every step takes the Fisher statistics in the
-  forward/backward hooks and folds them (the collector is collecting);
-- no refresh: ``update_every`` so large that only the first (warm-up) step refreshes;
-  this is the step that runs on all but one step in ``update_every``.
-
-Each step sits between two CUDA events, the host synchronises once after the last
-step, and the median over many steps after warm-up is reported with the peak memory
-allocated during the timed steps, both as ratios against AdamW(fused) measured in the
-same run.
+A step is zero_grad + forward under bf16 autocast + backward + ``opt.step()`` on one
+random batch; AdaFisherW per implementation refreshing its factors on every step and on
+none. Default: step time (CUDA events) and peak memory. ``--host``: the step's host work,
+AdaFisherW(triton) (torch operators, Triton launches, host time; on a CPU the launches
+are counted, not run, and the model narrowed). README.md: method and columns.
 
 Usage:
     python benchmarks/bench_train_step.py --out "$OUT"
-    python benchmarks/bench_train_step.py --channels-last --out "$OUT"
-    python benchmarks/bench_train_step.py --smoke --out /tmp/bench   # CPU, tiny model
+    python benchmarks/bench_train_step.py --channels-last --out "$OUT/channels_last"
+    python benchmarks/bench_train_step.py --host --out "$OUT"
+    python benchmarks/bench_train_step.py --smoke [--host] --out /tmp/bench   # CPU
 """
 
 from __future__ import annotations
 
-import sys
+import copy
 from collections.abc import Sequence
 from typing import Any
 
+import harness
+import numpy as np
 import torch
 import torch.nn.functional as F
-from common import (
-    LR,
-    WEIGHT_DECAY,
-    base_parser,
-    cifar_resnet18,
-    count_params,
-    environment,
-    fmt,
-    free_memory,
-    markdown_table,
-    out_dir,
-    report_error,
-    resolve_device,
-    resolve_impls,
-    summarize,
-    synchronize,
-    time_steps,
-    write_results,
-)
-from torch import nn
 
 from hf_triaccel import AdaFisherW
 
-# an update_every no benchmark reaches: only the first warm-up step refreshes the factors
-NEVER = 10**9
+OPTIONS = {
+    "batch_size": (int, 8, 512, "batch (--host on a CPU: 4)"),
+    "image_size": (int, 16, 32, "image side"),
+    "warmup": (int, 2, 20, "untimed steps (--host: 3)"),
+    "steps": (int, 4, 100, "timed steps (--host: 40, smoke 3)"),
+}
 
 
-def make_optimizer(
-    model: nn.Module, optimizer: str, impl: str | None, refresh: bool | None
-) -> torch.optim.Optimizer:
-    """AdamW(fused=True), or AdaFisherW refreshing its factors every step or never."""
-    if optimizer == "AdamW":
-        return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    return AdaFisherW.from_model(
-        model, impl=impl, update_every=1 if refresh else NEVER, lr=LR, weight_decay=WEIGHT_DECAY
-    )
+def host_defaults(args: Any) -> dict[str, int]:
+    """The defaults of ``--host``: each step timed alone, a small batch on a CPU."""
+    if not args.host:
+        return {}
+    cpu = {"batch_size": 4} if args.device.type != "cuda" else {}
+    return {"warmup": 3, "steps": 3 if args.smoke else 40, **cpu}
 
 
-def measure(
-    optimizer: str,
-    impl: str | None,
-    refresh: bool | None,
-    device: torch.device,
-    args: Any,
-) -> dict[str, Any]:
-    """Times the training step with one optimizer; a failure becomes the row's note.
+def prepare(row: dict, model: torch.nn.Module, args: Any) -> tuple[Any, Any]:
+    """The optimizer of ``row`` and its training step, after the warm-up steps (cuDNN
+    autotuning, Triton compilation, lazily created state, the first Fisher fold)."""
+    every = 1 if row["refresh"] else harness.NEVER
+    opt = harness.make_optimizer(row["optimizer"], model, impl=row["impl"], update_every=every)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=args.device)
+    x = x.contiguous(memory_format=args.memory_format)
+    y = torch.randint(0, 10, (args.batch_size,), device=args.device)
 
-    Returns:
-        A result row: optimizer, impl, refresh, status, timing fields, peak memory.
-    """
-    row: dict[str, Any] = {
-        "optimizer": optimizer,
-        "impl": impl or "fused",
-        "refresh": refresh,
-        "status": "ok",
-        "median_ms": None,
-        "peak_bytes": None,
-        "note": None,
-    }
-    model = opt = None
-    try:
-        torch.manual_seed(0)
-        model = cifar_resnet18(tiny=args.smoke).to(device).train()
-        memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-        model = model.to(memory_format=memory_format)
-        opt = make_optimizer(model, optimizer, impl, refresh)
-        x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
-        x = x.contiguous(memory_format=memory_format)
-        y = torch.randint(0, 10, (args.batch_size,), device=device)
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
 
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
+    for _ in range(args.warmup):
+        step()
+    harness.synchronize(args.device)
+    if row["refresh"] is not None and opt.collector.collecting != row["refresh"]:
+        raise RuntimeError(f"collector.collecting is {opt.collector.collecting}, not refresh")
+    return opt, step
 
-        # warm-up outside the timed and memory-tracked region: cuDNN autotuning, Triton
-        # compilation, lazily created optimizer state and the first Fisher fold
-        for _ in range(args.warmup):
-            step()
-        synchronize(device)
-        if refresh is not None and opt.collector.collecting != refresh:
-            raise RuntimeError(f"collector.collecting is {opt.collector.collecting}, not {refresh}")
+
+def measure(row: dict, args: Any) -> None:
+    """Step time and peak memory of one variant, on a fresh, identically seeded model."""
+    device, opt = args.device, None
+    with harness.variant(row):
+        model = harness.build_model(size=args.size).to(device, memory_format=args.memory_format)
+        opt, step = prepare(row, model, args)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = time_steps(step, device, warmup=0, steps=args.steps)
-        method = "cuda events" if device.type == "cuda" else "time.perf_counter"
-        row.update(summarize(times, method))
-        if device.type == "cuda":
-            row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-        row["n_params"] = count_params(model)
-    except Exception as exc:  # a failing variant must not hide the others' results
-        row["status"] = "error"
-        row["note"] = report_error(exc)
+        times = harness.time_steps(step, device, warmup=0, steps=args.steps)
+        cuda = device.type == "cuda"
+        row.update(harness.summarize(times, "cuda events" if cuda else "time.perf_counter"))
+        row["peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
+    if isinstance(opt, AdaFisherW):
+        opt.collector.remove()
+    model = opt = step = None  # this variant's activations and state go before the next
+    harness.free_memory(device)
+
+
+def measure_host(rows: list[dict], args: Any) -> None:
+    """Operators, launches and host time per step of every variant; the variants take
+    turns, so that a drift of the host's speed hits them alike."""
+    base = harness.build_model(size=args.size).to(args.device)
+    counter = harness.LaunchCounter(stub=args.device.type != "cuda")
+    try:
+        steps = []
+        for row in rows:
+            steps.append(prepare(row, copy.deepcopy(base), args)[1])
+            before = counter.count
+            row["aten_ops"] = harness.count_aten_ops(steps[-1])
+            harness.synchronize(args.device)
+            row.update(launches=counter.count - before, times=[])
+        for _ in range(args.steps):
+            for row, step in zip(rows, steps, strict=True):
+                row["times"].append(harness.wall_ms(step, args.device, wait=False))
     finally:
-        if isinstance(opt, AdaFisherW):
-            opt.collector.remove()
-        # free this variant's activations and state before the next one is measured
-        model = opt = None
-        free_memory(device)
-    return row
-
-
-def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Adds ``vs_adamw`` (time) and ``peak_vs_adamw`` (memory) against AdamW(fused)."""
-    base = next((r for r in rows if r["optimizer"] == "AdamW" and r["median_ms"]), None)
-    for r in rows:
-        ok = base is not None and r["median_ms"]
-        r["vs_adamw"] = r["median_ms"] / base["median_ms"] if ok else None
-        both_peaks = ok and r["peak_bytes"] and base["peak_bytes"]
-        r["peak_vs_adamw"] = r["peak_bytes"] / base["peak_bytes"] if both_peaks else None
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """The results as a markdown table."""
-    headers = [
-        "optimizer",
-        "impl",
-        "Fisher refresh",
-        "step ms (median)",
-        "p20-p80 ms",
-        "x AdamW(fused)",
-        "peak GiB",
-        "peak x AdamW(fused)",
-        "note",
-    ]
-    refresh = {None: "-", True: "every step", False: "no"}
-    body = [
-        [
-            r["optimizer"],
-            r["impl"],
-            refresh[r["refresh"]],
-            fmt(r["median_ms"]),
-            f"{fmt(r.get('p20_ms'))}-{fmt(r.get('p80_ms'))}" if r["median_ms"] else "n/a",
-            fmt(r["vs_adamw"], ".2f", "x"),
-            fmt(r["peak_bytes"] / 2**30 if r["peak_bytes"] else None, ".2f"),
-            fmt(r["peak_vs_adamw"], ".2f", "x"),
-            (r["note"] or "")[:200],
-        ]
-        for r in rows
-    ]
-    return markdown_table(headers, body)
+        counter.restore()
+    for row in rows:
+        row["host_ms"] = float(np.median(row.pop("times")))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints a markdown table and writes bench_train_step.json.
-
-    Args:
-        argv: command-line arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        0, or 1 when a variant failed.
-    """
-    parser = base_parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-size", type=int, default=None, help="default 512 (smoke: 8)")
-    parser.add_argument("--image-size", type=int, default=None, help="default 32 (smoke: 16)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 20)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 100)")
-    parser.add_argument(
-        "--channels-last", action="store_true", help="model and input in channels_last"
-    )
-    args = parser.parse_args(argv)
-    argv = list(argv) if argv is not None else sys.argv[1:]
-    defaults = {
-        "batch_size": (8, 512),
-        "image_size": (16, 32),
-        "warmup": (2, 20),
-        "steps": (4, 100),
+    """Runs the benchmark; returns 1 when a variant failed."""
+    parser = harness.base_parser(__doc__.split("\n\n")[0], OPTIONS)
+    parser.add_argument("--channels-last", action="store_true", help="model and input")
+    parser.add_argument("--host", action="store_true", help="host work instead of device time")
+    args = harness.parse(parser, argv, host_defaults)
+    cuda = args.device.type == "cuda"
+    args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    torch.backends.cudnn.benchmark = cuda  # same autotuned convolutions for every variant
+    rows = [{"optimizer": "AdamW", "impl": "fused", "refresh": None}]
+    for impl in ["triton"] if args.host else args.impls:
+        rows += [{"optimizer": "AdaFisherW", "impl": impl, "refresh": r} for r in (True, False)]
+    rows = [{**row, "status": "ok", "note": None} for row in rows]
+    if args.host:
+        args.size = "full" if cuda else "narrow"  # the module structure: the same host work
+        measure_host(rows, args)
+    else:
+        for row in rows:
+            measure(row, args)
+    adamw = lambda r: r["optimizer"] == "AdamW"
+    harness.add_ratio(rows, "host_ms" if args.host else "median_ms", "vs_adamw", adamw)
+    harness.add_ratio(rows, "peak_bytes", "peak_vs_adamw", adamw)
+    shown = list(rows)
+    for on, off in zip(rows[1::2], rows[2::2], strict=True):  # refresh, then none, per impl
+        if args.host:  # what the refresh adds to a step
+            cost = {k: on[k] - off[k] for k in ("aten_ops", "launches", "host_ms")}
+            shown.append({**on, "refresh": "cost", **cost, "vs_adamw": None})
+    refreshes = {None: "-", True: "every step", False: "no", "cost": "every step - no"}
+    fmt = harness.fmt
+    columns = {
+        "optimizer": lambda r: r["optimizer"],
+        "impl": lambda r: r["impl"],
+        "Fisher refresh": lambda r: refreshes[r["refresh"]],
     }
-    for name, (smoke, full) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, smoke if args.smoke else full)
-    device = resolve_device(args.device)
-    impls = resolve_impls(args.impls, device)
-    if device.type == "cuda":
-        # same autotuned convolutions for every optimizer
-        torch.backends.cudnn.benchmark = True
-
-    variants = [("AdamW", None, None)] + [
-        ("AdaFisherW", impl, refresh) for impl in impls for refresh in (True, False)
-    ]
-    rows = [measure(name, impl, refresh, device, args) for name, impl, refresh in variants]
-    add_ratios(rows)
-
-    env = environment(__file__, argv, device)
-    text = table(rows)
-    print(f"device: {env['device']}; torch {env['torch']}, triton {env['triton']}")
+    if args.host:
+        columns["aten ops"] = lambda r: r["aten_ops"]
+        columns["Triton launches"] = lambda r: r["launches"]
+        columns["host ms"] = lambda r: fmt(r["host_ms"])
+        # AdamW's update runs on a CPU within its host time: a ratio only on CUDA
+        columns["x AdamW"] = lambda r: fmt(r["vs_adamw"] if cuda else None, ".2f", "x")
+    else:
+        columns["step ms (median)"] = lambda r: fmt(r["median_ms"])
+        columns["p20-p80 ms"] = lambda r: f"{fmt(r.get('p20_ms'))}-{fmt(r.get('p80_ms'))}"
+        columns["x AdamW(fused)"] = lambda r: fmt(r["vs_adamw"], ".2f", "x")
+        columns["peak GiB"] = lambda r: harness.gib(r.get("peak_bytes"))
+        columns["peak x AdamW(fused)"] = lambda r: fmt(r["peak_vs_adamw"], ".2f", "x")
+    columns["note"] = harness.note
     print(
-        f"CIFAR ResNet-18, batch {args.batch_size}, {args.image_size}x{args.image_size}, "
-        f"bf16 autocast, channels_last={args.channels_last}, "
-        f"median of {args.steps} steps after {args.warmup} warm-up steps"
+        f"resnet18_cifar ({args.size}), batch {args.batch_size}, {args.image_size}x"
+        f"{args.image_size}, bf16 autocast, channels_last={args.channels_last}; "
+        f"{args.steps} timed steps after {args.warmup} warm-up steps"
     )
-    print(text)
-    payload = {
-        "env": env,
-        "config": {
-            "smoke": args.smoke,
-            "impls": impls,
-            "batch_size": args.batch_size,
-            "image_size": args.image_size,
-            "warmup_steps": args.warmup,
-            "timed_steps": args.steps,
-            "channels_last": args.channels_last,
-            "autocast": "bfloat16",
-            "cudnn_benchmark": device.type == "cuda",
-            "lr": LR,
-            "weight_decay": WEIGHT_DECAY,
-        },
-        "results": rows,
-    }
-    path = write_results(out_dir(args.out), "bench_train_step", payload, text)
-    print(f"wrote {path}")
+    args.memory_format = str(args.memory_format)
+    config = {"autocast": "bfloat16", "lr": harness.LR, "weight_decay": harness.WEIGHT_DECAY}
+    payload = {"config": {**config, "cudnn_benchmark": cuda}, "results": rows}
+    name = "bench_train_step_host" if args.host else "bench_train_step"
+    harness.finish(name, __file__, args, payload, harness.table(shown, columns))
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 

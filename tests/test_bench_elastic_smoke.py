@@ -1,7 +1,8 @@
-"""Smoke run of benchmarks/bench_elastic.py: tiny model, CPU, simulated device memory.
+"""Smoke run of benchmarks/bench_elastic.py: tiny model, CPU, a fake device.
 
-Checks that the script runs its three parts end to end and writes the per-step record
-the acceptance is read from, not the controller's GPU behaviour.
+Checks that the script runs both parts end to end and writes the per-step record the
+figures are read from, not the controller's behaviour: its acceptance is
+tests/memory/test_elastic_acceptance.py.
 """
 
 from __future__ import annotations
@@ -39,32 +40,32 @@ def test_bench_elastic_smoke(bench_elastic, tmp_path):
     assert (tmp_path / "bench_elastic.md").is_file()
     assert "--smoke" in payload["env"]["command"]
     E = payload["config"]["effective_batch"]
-    assert all(part["status"] == "ok" for part in payload["parts"].values()), payload["parts"]
 
     run = payload["controller_run"]
+    assert run["error"] is None
     steps = run["steps"]
     assert [s["step"] for s in steps] == list(range(len(steps)))
+    phases = [s["phase"] for s in steps]
+    assert phases == sorted(phases, key=["sizing", "competing", "freed"].index)
+    assert set(phases) == {"sizing", "competing", "freed"}
     for s in steps:
-        # every step runs its whole effective batch, each sample once, however it is split
-        assert s["samples"] == E and sum(s["pieces"]) == E and s["each_sample_once"]
-        assert s["accumulation"] == len(s["pieces"]) and s["micro_batch"] == max(s["pieces"])
+        # the record of each step: what ran, its peak and time
+        assert sum(s["pieces"]) == s["samples"] and s["accumulation"] == len(s["pieces"])
+        assert s["micro_batch"] == max(s["pieces"]) and s["each_sample_once"] is True
         assert 0 < s["peak_fraction"] <= 1 and s["step_ms"] > 0
     assert steps[0]["events"][0]["reason"] == "probe"
-    assert any(s["reruns"] for s in steps)  # the competing allocation caused an OOM re-run
-
-    sizing, shrink_grow = payload["parts"]["sizing"], payload["parts"]["shrink_grow"]
-    assert sizing["steps_to_settle"] <= 3 and sizing["accumulation"] >= 2
-    assert 0.85 <= sizing["peak_fraction"] <= 0.95
-    schedule = run["schedule"]
-    assert schedule["competitor_at"] <= min(shrink_grow["shrink_steps"]) < schedule["release_at"]
-    assert min(shrink_grow["grow_steps"]) >= schedule["release_at"]
-    assert shrink_grow["micro_batch_held"] < shrink_grow["micro_batch_before"]
+    summary = run["summary"]
+    assert summary["every_step_exact"] and summary["reruns"] == sum(s["reruns"] for s in steps)
+    assert summary["micro_batch"] * summary["accumulation"] >= E
+    assert summary["shrink_steps"] and summary["grow_steps"] and summary["cap"] >= 1
 
     auto, elastic = payload["trainers"]
     assert (auto["mode"], elastic["mode"]) == ("auto_find_batch_size", "elastic_batch")
-    steps_asked = payload["config"]["trainer_steps"]
+    steps_asked = payload["config"]["steps"]
     for row in (auto, elastic):
+        assert row["status"] == "ok", row["note"]
         assert row["steps"] == steps_asked and 0 < row["first_step_s"] <= row["total_s"]
+        assert row["samples_per_s"] > 0
     # auto_find_batch_size found a smaller batch by restarting; elastic kept the batch
     assert auto["oom_restarts"] > 0 and auto["samples_per_step"] < E
     assert elastic["oom_restarts"] == 0 and elastic["samples_per_step"] == E

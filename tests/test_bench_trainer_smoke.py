@@ -37,7 +37,7 @@ def test_bench_trainer_smoke(bench_trainer, tmp_path):
     assert (tmp_path / "bench_trainer.md").is_file()
     assert "--smoke" in payload["env"]["command"]
     assert payload["config"]["world_size"] == 1
-    assert payload["config"]["timed_steps"] == STEPS
+    assert payload["config"]["steps"] == STEPS
 
     rows = {r["variant"]: r for r in payload["results"]}
     assert list(rows) == list(bench_trainer.VARIANTS)

@@ -31,8 +31,10 @@ def bench(monkeypatch):
 def _load(path: Path) -> dict:
     payload = json.loads(path.read_text())
     env = payload["env"]
-    for key in ("device", "torch", "triton", "timm", "transformers", "date_utc", "command"):
+    for key in ("device", "versions", "git_commit", "date_utc", "command"):
         assert key in env
+    assert set(env["versions"]) >= {"torch", "triton", "timm", "transformers", "hf-triaccel"}
+    assert env["versions"]["torch"] and env["versions"]["timm"]
     assert "--smoke" in env["command"]
     return payload
 
@@ -77,7 +79,7 @@ def test_bench_train_step_smoke(bench, tmp_path):
     for row in rows:
         assert row["status"] == "ok", row["note"]
         assert row["median_ms"] > 0 and row["vs_adamw"] > 0
-        assert row["reps"] == payload["config"]["timed_steps"]
+        assert row["reps"] == payload["config"]["steps"]
     assert rows[0]["vs_adamw"] == 1.0
 
 
@@ -88,3 +90,32 @@ def test_bench_train_step_channels_last_smoke(bench, tmp_path):
     payload = _load(tmp_path / "bench_train_step.json")
     assert payload["config"]["channels_last"] is True
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in payload["results"])
+
+
+def test_bench_train_step_host_smoke(bench, tmp_path):
+    module = bench("bench_train_step")
+    assert module.main(["--smoke", "--host", "--out", str(tmp_path)]) == 0
+    payload = _load(tmp_path / "bench_train_step_host.json")
+    rows = {row["refresh"]: row for row in payload["results"]}
+    assert [r["impl"] for r in rows.values()] == ["fused", "triton", "triton"]
+    assert all(
+        r["status"] == "ok" and r["aten_ops"] > 0 and r["host_ms"] > 0 for r in rows.values()
+    )
+    # the Fisher refresh adds work to the step: more operators, and more Triton launches
+    assert rows[True]["aten_ops"] > rows[False]["aten_ops"]
+    assert rows[None]["launches"] == 0 < rows[False]["launches"] < rows[True]["launches"]
+
+
+def test_bench_optimizer_host_smoke(bench, tmp_path):
+    module = bench("bench_optimizer")
+    assert module.main(["--smoke", "--host", "--out", str(tmp_path)]) == 0
+    payload = _load(tmp_path / "bench_optimizer_host.json")
+    assert payload["config"]["stub_kernels"] is True
+    rows = {(r["model"], r["optimizer"]): r for r in payload["results"]}
+    # the narrowed models keep the tensors of the full ones
+    assert rows[("resnet18-cifar", "AdaFisherW")]["tensors"] == 62
+    assert rows[("vit-b16", "AdaFisherW")]["tensors"] == 152
+    for row in rows.values():
+        assert row["status"] == "ok", row["note"]
+        assert row["host_us"] > 0 and row["aten_ops"] > 0
+    assert rows[("vit-b16", "AdamW")]["launches"] == 0 < rows[("vit-b16", "AdaFisherW")]["launches"]

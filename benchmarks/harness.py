@@ -1,0 +1,428 @@
+"""The benchmark harness: command line, timing, host costs, models, optimizers, data,
+environment, output.
+
+Every script measures its variants next to a baseline measured in the same process
+(README.md says why) and writes ``<name>.json`` (the full record) and ``<name>.md`` (the
+printed table under its command line) with :func:`finish`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import timm
+import torch
+from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_utils import speed_metrics
+
+from hf_triaccel import AdaFisher, AdaFisherW
+from hf_triaccel.data.images import GPUBatchLoader, ImageTensors, load_image_dataset
+from hf_triaccel.integrations import timm_models  # noqa: F401  registers the CIFAR models
+from hf_triaccel.integrations.telemetry import environment as package_environment
+
+if not torch.cuda.is_available():  # read when the package's kernels are first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LR, WEIGHT_DECAY = 1e-3, 0.01
+NEVER = 10**9  # an update_every no benchmark reaches: only a first step refreshes factors
+GIB = 2**30
+# (learning rate, weight decay) per optimizer, measured on CIFAR-10 with the ResNet-18,
+# batch 512, 30 epochs, one-cycle (BENCHMARKS.md: the published AdaFisher lr of 1e-3
+# underfits there)
+HYPERPARAMETERS = {"adafisherw": (1e-2, 5e-4), "adafisher": (3e-3, 5e-4), "adamw": (3e-3, 5e-2)}
+
+
+def base_parser(
+    description: str, options: dict[str, tuple] | None = None, *, impls: bool = True
+) -> argparse.ArgumentParser:
+    """A parser with ``--out``, ``--smoke``, ``--device``, ``--impls`` (with ``impls``) and
+    ``options``: name -> ``(type, smoke default, full default, help)``, as ``--name``
+    (dashes for underscores), for :func:`parse`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", help="results directory (default: $OUT, else the current one)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, on CPU, in seconds")
+    parser.add_argument("--device", help="default: cuda when available, else cpu")
+    if impls:
+        parser.add_argument(
+            "--impls", help="AdaFisher implementations, comma-separated (default: by device)"
+        )
+    parser.set_defaults(smoke_defaults={})
+    for name, (kind, smoke, full, help_) in (options or {}).items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=kind, help=f"{help_} (default {full}; smoke {smoke})")
+        parser.get_default("smoke_defaults")[name] = (smoke, full)
+    return parser
+
+
+def parse(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    mode: Callable[[argparse.Namespace], dict[str, Any]] | None = None,
+) -> argparse.Namespace:
+    """Parses ``argv``: ``device`` becomes a ``torch.device`` (default: CUDA when there is
+    one, the CPU for a smoke run), ``impls`` a list (default: by device); each option left
+    unset takes its default from ``mode(args)`` (a mode the flags chose), else the smoke or
+    full one. Adds ``argv`` (the arguments as given) and ``size`` (the models' size). A
+    smoke run computes on one CPU thread: waking a pool costs more than tiny tensors' work.
+    """
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    args.device = torch.device(args.device or ("cuda" if cuda else "cpu"))
+    if "impls" in args:
+        default = "triton,foreach" if args.device.type == "cuda" else "foreach,reference"
+        args.impls = [s.strip() for s in (args.impls or default).split(",") if s.strip()]
+    chosen = mode(args) if mode is not None else {}
+    for name, (smoke, full) in args.smoke_defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, chosen.get(name, smoke if args.smoke else full))
+    args.argv, args.size = list(sys.argv[1:] if argv is None else argv), "full"
+    if args.smoke:
+        args.size = "tiny"
+        torch.set_num_threads(1)
+    return args
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's settings from its parsed arguments, for the record."""
+    skip = ("argv", "smoke_defaults", "out")
+    return {k: str(v) if k == "device" else v for k, v in vars(args).items() if k not in skip}
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for queued device work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Collects garbage and returns cached device memory, between measured variants."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def wall_ms(fn: Callable[[], Any], device: torch.device, *, wait: bool = True) -> float:
+    """Wall time of one call of ``fn`` in milliseconds, from an idle device; ``wait``:
+    until its device work is done, else the host's own time."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if wait:
+        synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_steps(fn: Callable[[], Any], device: torch.device, *, warmup: int, steps: int) -> list:
+    """Per-call times of ``fn`` in milliseconds after ``warmup`` untimed calls: on CUDA
+    between two events, the host synchronised once after the last call (so that a call's
+    time includes any gap the host leaves while launching it), else ``perf_counter``."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        return [wall_ms(fn, device) for _ in range(steps)]
+    synchronize(device)
+    events = [[torch.cuda.Event(enable_timing=True) for _ in "se"] for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def summarize(times: Sequence[float], method: str) -> dict[str, Any]:
+    """Median and 20th/80th percentiles of per-call times in milliseconds."""
+    p20, p50, p80 = map(float, np.percentile(np.asarray(times, dtype=np.float64), [20, 50, 80]))
+    return {"median_ms": p50, "p20_ms": p20, "p80_ms": p80, "reps": len(times), "method": method}
+
+
+def benchmark(
+    fn: Callable[[], Any], device: torch.device, *, warmup_ms: float, rep_ms: float
+) -> dict[str, Any]:
+    """Median time of ``fn`` (:func:`summarize`'s fields) within time budgets: on CUDA
+    ``triton.testing.do_bench`` (the L2 cache flushed before each call), elsewhere
+    :func:`time_steps` with warm-up and repetitions sized from a first estimate."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        p20, p50, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+        method = "triton.testing.do_bench"
+        return {"median_ms": p50, "p20_ms": p20, "p80_ms": p80, "reps": None, "method": method}
+    estimate = max(float(np.median(time_steps(fn, device, warmup=1, steps=3))), 1e-3)
+    steps = max(3, int(rep_ms / estimate))
+    times = time_steps(fn, device, warmup=int(warmup_ms / estimate), steps=steps)
+    return summarize(times, "time.perf_counter")
+
+
+class LaunchCounter:
+    """Counts (and, with ``stub``, skips) the launches of the package's Triton kernels;
+    :meth:`restore` puts them back. Stubbed, what remains of a step is its host work."""
+
+    def __init__(self, stub: bool) -> None:
+        from triton.runtime.jit import KernelInterface
+
+        from hf_triaccel.kernels import stats, update
+
+        self.count = 0
+        self._patched = [k for m in (stats, update) for k in vars(m).values()]
+        self._patched = [k for k in self._patched if isinstance(k, KernelInterface)]
+        for kernel in self._patched:
+            run = kernel.run
+
+            def counted(*args: Any, run=run, **kwargs: Any) -> Any:
+                self.count += 1
+                return None if stub else run(*args, **kwargs)
+
+            kernel.run = counted  # ``kernel[grid](...)`` calls ``kernel.run``
+
+    def restore(self) -> None:
+        for kernel in self._patched:
+            del kernel.run
+        self._patched = []
+
+
+def count_aten_ops(fn: Callable[[], Any]) -> int:
+    """``aten::`` operator calls made by one call of ``fn`` (nested calls included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+
+
+class StepClock(TrainerCallback):
+    """Times training steps from a loop (:meth:`step_end`) or a Trainer (callback).
+
+    The window runs from the end of step ``warmup`` (from :meth:`start` when it is 0) to
+    the end of step ``warmup + steps``, the device synchronised at its edges only, or at
+    every step end with ``every_step`` (``ends``: seconds since :meth:`start`). Over it:
+    ``window`` (``speed_metrics``: ``timed_runtime``, ``timed_samples_per_second``) and
+    ``peak_bytes`` on CUDA. ``record`` is called at each step end into ``records``. A
+    Trainer restarting training (``auto_find_batch_size``) starts the count over;
+    ``attempts`` holds each attempt's per-device batch.
+    """
+
+    def __init__(self, device: torch.device, *, warmup, steps, every_step=False, record=None):
+        self.device, self.warmup, self.steps, self.every_step = device, warmup, steps, every_step
+        self.record: Callable[[], Any] | None = record
+        self.count = self.samples = 0
+        self.ends, self.records, self.attempts = [], [], []
+        self.window: dict[str, float] | None = None
+        self.peak_bytes: int | None = None
+        self._t0 = self._window_start = 0.0
+
+    def start(self) -> None:
+        """Marks the start of training."""
+        synchronize(self.device)
+        self._t0 = time.time()
+        if self.warmup == 0:
+            self._open()
+
+    def _open(self) -> None:
+        self._window_start, self.samples = time.time(), 0
+        if self.device.type == "cuda":
+            # the peak of the steady state, not of the warm-up's autotuning workspaces
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_end(self, samples: int) -> None:
+        """Counts a finished step of ``samples`` samples over all processes."""
+        self.count += 1
+        end = self.count == self.warmup + self.steps
+        if self.every_step or end or self.count == self.warmup:
+            synchronize(self.device)
+        if self.every_step:
+            self.ends.append(time.time() - self._t0)
+        if self.record is not None:
+            self.records.append(self.record())
+        if self.count == self.warmup:
+            self._open()
+        elif self.count > self.warmup:
+            self.samples += samples
+        if end:
+            self.window = speed_metrics("timed", self._window_start, self.samples, self.steps)
+            if self.device.type == "cuda":
+                self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+
+    @property
+    def timed_steps(self) -> int:
+        """Steps finished inside the timed window so far."""
+        return min(max(self.count - self.warmup, 0), self.steps)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.attempts.append(state.train_batch_size)
+        self.count, self.ends, self.records = 0, [], []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_end(state.train_batch_size * args.gradient_accumulation_steps * args.world_size)
+
+
+# smaller variants of the benchmarked models: "tiny" for CPU smoke runs, "narrow" keeps
+# the module structure (layers, tensors, hooks) and cuts the widths (the ResNet's stem
+# keeps 64 channels whatever the widths: so does its first stage here)
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "resnet18_cifar": {
+        "tiny": {"layers": (1, 1, 1, 1), "channels": (8, 16, 32, 64)},
+        "narrow": {"channels": (64, 64, 64, 64)},
+    },
+    "vit_base_patch16_224": {
+        "tiny": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2},
+        "narrow": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "num_heads": 2},
+    },
+}
+
+
+def build_model(
+    name: str = "resnet18_cifar", size: str = "full", *, seed: int = 0, **kwargs: Any
+) -> nn.Module:
+    """A randomly initialised timm model (``size``: ``"full"`` or one of :data:`SIZES`),
+    seeded with ``seed``, in train mode. ``resnet18_cifar`` is the package's CIFAR
+    ResNet-18 (3x3 stride-1 stem, no max-pool, 10 classes, 11.17M parameters)."""
+    if size != "full" and size not in SIZES.get(name, {}):
+        raise ValueError(f"size {size!r} of {name}: choose 'full' or one of {list(SIZES[name])}")
+    torch.manual_seed(seed)
+    variant = SIZES[name][size] if size != "full" else {}
+    return timm.create_model(name, pretrained=False, **variant, **kwargs).train()
+
+
+def make_optimizer(
+    kind: str, model: nn.Module, *, lr=LR, weight_decay: float = WEIGHT_DECAY, **adafisher: Any
+) -> torch.optim.Optimizer:
+    """``"adamw"`` (fused; capturable when ``lr`` is a tensor), or ``"adafisher"`` /
+    ``"adafisherw"`` built by ``from_model`` with ``adafisher`` (``impl``,
+    ``update_every``, ...; AdamW ignores them). Names are case-insensitive."""
+    kind = kind.lower()
+    if kind == "adamw":
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(
+            params, lr=lr, weight_decay=weight_decay, fused=True, capturable=torch.is_tensor(lr)
+        )
+    optimizers = {"adafisher": AdaFisher, "adafisherw": AdaFisherW}
+    if kind not in optimizers:
+        raise ValueError(f"optimizer {kind!r}: choose adamw, adafisher or adafisherw")
+    return optimizers[kind].from_model(model, lr=lr, weight_decay=weight_decay, **adafisher)
+
+
+def load_images(source: str, split: str, *, smoke=False, n=256, progress=True) -> ImageTensors:
+    """The ``split`` of ``source`` (``"embedded"`` or a local parquet folder, see
+    ``load_image_dataset``); under ``smoke``, ``n`` random 16x16 images of 10 classes
+    (nothing to decode)."""
+    if not smoke:
+        return load_image_dataset(source, split, progress=progress)
+    gen = torch.Generator().manual_seed(0 if split == "train" else 1)
+    images = torch.randint(0, 256, (n, 3, 16, 16), generator=gen, dtype=torch.uint8)
+    return ImageTensors(images, torch.randint(0, 10, (n,), generator=gen), list("0123456789"))
+
+
+def image_batches(data: ImageTensors, batch_size: int, **kwargs: Any) -> GPUBatchLoader:
+    """Training batches built on the data's device: shuffled, randomly cropped and flipped,
+    normalised, full batches only (``kwargs`` go to ``GPUBatchLoader``)."""
+    kwargs = {"shuffle": True, "augment": True, "drop_last": True, **kwargs}
+    return GPUBatchLoader(data, batch_size, **kwargs)
+
+
+def endless(loader: GPUBatchLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches epoch after epoch (each ``iter`` of the loader starts the next epoch)."""
+    while True:
+        yield from loader
+
+
+def environment(script: str, argv: Sequence[str], device: torch.device) -> dict[str, Any]:
+    """What a result was measured on and with: the package's environment record (device,
+    versions, Python), the CUDA version, git commit, UTC date and the command line."""
+    path = Path(script).resolve()
+    command = str(path.relative_to(REPO_ROOT)) if REPO_ROOT in path.parents else script
+    try:
+        git = ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"]
+        commit = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        **package_environment(),
+        "device_type": device.type,
+        "cuda": torch.version.cuda,
+        "git_commit": commit or None,
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", command, *argv]),
+    }
+
+
+def report_error(exc: BaseException) -> str:
+    """Prints the traceback to stderr and returns a one-line description for a row."""
+    traceback.print_exception(exc, file=sys.stderr)
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+@contextlib.contextmanager
+def variant(row: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Runs one measured variant: an exception becomes the row's ``error`` status and
+    note, so that a failing variant does not hide the others' results."""
+    try:
+        yield row
+    except Exception as exc:
+        row["status"], row["note"] = "error", report_error(exc)
+
+
+def fmt(value: float | None, spec: str = ".3f", suffix: str = "") -> str:
+    """A number for a table cell, or ``n/a`` when it was not measured."""
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def gib(nbytes: float | None) -> str:
+    """Bytes as GiB for a table cell."""
+    return fmt(nbytes / GIB if nbytes else None, ".2f")
+
+
+def add_ratio(rows: list[dict], key: str, out: str, base: Callable[[dict], bool]) -> None:
+    """Sets ``row[out] = row[key] / base[key]`` against the first row that ``base``
+    accepts and that measured ``key`` (``None`` where either is missing)."""
+    ref = next((r for r in rows if base(r) and r.get(key)), None)
+    for r in rows:
+        r[out] = r[key] / ref[key] if ref is not None and r.get(key) else None
+
+
+def table(rows: Sequence[dict], columns: dict[str, Callable[[dict], Any]]) -> str:
+    """A GitHub-flavoured markdown table: one column per header, its cell from the row."""
+    cells = [[str(cell(r)).replace("|", "/") for cell in columns.values()] for r in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
+
+
+def note(row: dict[str, Any]) -> str:
+    """The row's note, cut for a table cell."""
+    return (row.get("note") or "")[:200]
+
+
+def finish(name: str, script: str, args, payload: dict, text: str, processes: int = 1) -> dict:
+    """Prints the device and ``text``, and writes ``<name>.json`` (``payload`` with the
+    :func:`environment` of ``script`` and the :func:`settings` in its ``config``) and
+    ``<name>.md`` (``text`` under the command line) into ``--out``, else ``$OUT``, else
+    the current directory. Returns the environment record."""
+    env = environment(script, args.argv, args.device)
+    if processes > 1:  # the launcher's own command line is not visible from inside
+        env.update(processes=processes, command=f"{processes} processes: {env['command']}")
+    print(f"device: {env['device']}; torch {env['versions']['torch']}\n{text}")
+    directory = Path(args.out or os.environ.get("OUT") or ".")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    payload = {"env": env, **payload, "config": {**settings(args), **payload.get("config", {})}}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    header = f"`{env['command']}` on {env['device']} ({env['date_utc']})\n\n"
+    (directory / f"{name}.md").write_text(header + text + "\n")
+    print(f"wrote {path}")
+    return env
