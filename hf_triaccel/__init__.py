@@ -16,15 +16,20 @@ from hf_triaccel.optim.functional import adafisher
 from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.precision import PrecisionController, PrecisionPolicy, PrecisionRule
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The integrations import transformers / accelerate: load them on first use so that
 # `import hf_triaccel` needs neither.
 _LAZY = {
-    "TriAccelArguments": "hf_triaccel.integrations.trainer",
-    "TriAccelTrainer": "hf_triaccel.integrations.trainer",
+    "AdaFisherFactory": "hf_triaccel.integrations.optimizers",
+    "AdaFisherWFactory": "hf_triaccel.integrations.optimizers",
+    "TriAccelArguments": "hf_triaccel.integrations.trainer_args",
+    "TriAccelMixin": "hf_triaccel.integrations.trainer",
     "TriAccelPlugin": "hf_triaccel.integrations.plugin",
+    "TriAccelTrainer": "hf_triaccel.integrations.trainer",
     "prepare_triaccel": "hf_triaccel.integrations.plugin",
+    "register_timm_optimizers": "hf_triaccel.integrations.timm_optim",
+    "trainer_optimizer": "hf_triaccel.integrations.optimizers",
 }
 
 
@@ -38,7 +43,9 @@ def __getattr__(name: str):
 
 __all__ = [
     "AdaFisher",
+    "AdaFisherFactory",
     "AdaFisherW",
+    "AdaFisherWFactory",
     "ElasticBatchController",
     "FactorLayout",
     "FisherCollector",
@@ -49,10 +56,13 @@ __all__ = [
     "SignalTracker",
     "StepSizeSteering",
     "TriAccelArguments",
+    "TriAccelMixin",
     "TriAccelPlugin",
     "TriAccelTrainer",
     "adafisher",
     "checkpoint_largest_blocks",
     "prepare_triaccel",
     "register_fisher_rule",
+    "register_timm_optimizers",
+    "trainer_optimizer",
 ]

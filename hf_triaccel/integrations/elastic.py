@@ -2,39 +2,56 @@
 
 :class:`TrainerElasticBatch` runs each ``Trainer.training_step`` through an
 :class:`~hf_triaccel.memory.elastic.ElasticBatchController`: the per-device batch is
-the effective batch ``E``, split into micro-batches that follow live device memory.
-It replaces ``auto_find_batch_size``, which restarts the whole inner loop on OOM with a
-smaller batch, keeps the old optimizer, and changes the effective batch.
+the effective batch ``E``, split into micro-batches that follow live device memory; an
+out-of-memory error in a forward or backward re-runs the step's samples in smaller
+pieces. Its controller state is Trainer callback state (:class:`ElasticBatchState`, an
+``ExportableState`` kept in ``TrainerState.stateful_callbacks``), so checkpoints carry it
+and a resumed run starts at the micro-batch it had reached.
 
-It is also the Trainer callback that saves the controller's state with each checkpoint
-(``elastic_batch.json``) and the telemetry provider of ``micro_batch`` and
-``accumulation``. :class:`FisherStatisticsRollback` keeps AdaFisher's statistics exact
-when a step is re-run; hand-written loops pass it to
+:class:`ElasticEvaluation` does the same for evaluation batches: an out-of-memory error
+in ``prediction_step`` splits the batch (and every later one) into smaller pieces. It
+never touches the training batch.
+
+An out-of-memory error raised elsewhere in a step (the optimizer step, a callback)
+cannot be re-run exactly; with ``auto_find_batch_size`` transformers' own search handles
+it by restarting the loop with a smaller batch. :class:`FisherStatisticsRollback` keeps
+AdaFisher's statistics exact when a step is re-run; hand-written loops pass it to
 :meth:`~hf_triaccel.memory.elastic.ElasticBatchController.run_step` themselves.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_pt_utils import nested_concat
 
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.memory.checkpointing import CheckpointedBlocks, checkpoint_largest_blocks
-from hf_triaccel.memory.elastic import ElasticBatchController, ElasticBatchError
-from hf_triaccel.memory.probe import MemoryProbe, default_probe
+from hf_triaccel.integrations import trainer_compat
+from hf_triaccel.memory import (
+    CheckpointedBlocks,
+    ElasticBatchController,
+    ElasticBatchError,
+    MemoryProbe,
+    batch_size,
+    checkpoint_largest_blocks,
+    default_probe,
+    is_oom,
+    slice_batch,
+)
 
 logger = logging.getLogger(__name__)
 
-STATE_NAME = "elastic_batch.json"
+LEGACY_STATE_NAME = "elastic_batch.json"
+"""Where hf_triaccel 0.1.0 kept the controller state, in each checkpoint folder."""
 
 
 class FisherStatisticsRollback:
@@ -72,10 +89,28 @@ class FisherStatisticsRollback:
             ly.reset()
 
 
+class ElasticBatchState(TrainerCallback, ExportableState):
+    """The elastic controller's state in ``TrainerState.stateful_callbacks``: saved with
+    every checkpoint, read back by :class:`TrainerElasticBatch` when training (re)starts.
+
+    Constructible without arguments, as transformers rebuilds stateful callbacks under
+    ``restore_callback_states_from_checkpoint``; the helper binds itself to the rebuilt
+    instance when training begins.
+    """
+
+    def __init__(self, elastic: TrainerElasticBatch | None = None) -> None:
+        self.elastic = elastic
+        self.saved: dict[str, Any] | None = None
+
+    def state(self) -> dict[str, Any]:
+        saved = self.saved if self.elastic is None else self.elastic.controller.state_dict()
+        return {"args": {}, "attributes": {"saved": saved}}
+
+
 class TrainerElasticBatch(TrainerCallback):
     """Elastic micro-batching for a ``transformers.Trainer``.
 
-    The effective batch per device is ``per_device_train_batch_size``; set
+    The effective batch per device is the Trainer's batch; set
     ``gradient_accumulation_steps=1`` and let the controller accumulate: with Trainer
     accumulation, an OOM in any but the first micro-batch of an optimizer step cannot
     be re-run exactly and raises. Single device and DDP; DeepSpeed and FSDP are
@@ -91,24 +126,15 @@ class TrainerElasticBatch(TrainerCallback):
             (``min_micro_batch``, ``target_fraction``, ``check_every``, ...).
 
     Example:
-        How ``TriAccelTrainer`` uses it::
+        ``TriAccelTrainer`` attaches it for ``elastic_batch=True``; any Trainer can::
 
-            class TriAccelTrainer(Trainer):
-                def __init__(self, ...):
-                    ...
-                    self.telemetry = EfficiencyTelemetry()
-                    self.add_callback(self.telemetry)
+            class MyTrainer(Trainer):
+                def __init__(self, *args, **kwargs):
+                    super().__init__(*args, **kwargs)
                     self.elastic = TrainerElasticBatch.attach(self, min_micro_batch=8)
 
                 def training_step(self, model, inputs, num_items_in_batch=None):
-                    if self.elastic is None:
-                        return super().training_step(model, inputs, num_items_in_batch)
                     return self.elastic.training_step(model, inputs, num_items_in_batch)
-
-                def train(self, resume_from_checkpoint=None, **kwargs):
-                    if self.elastic is not None:
-                        self.elastic.resume(resume_from_checkpoint)
-                    return super().train(resume_from_checkpoint, **kwargs)
     """
 
     def __init__(
@@ -134,14 +160,17 @@ class TrainerElasticBatch(TrainerCallback):
         elif controller_kwargs:
             raise ValueError("give either a controller or controller arguments, not both")
         self.controller = controller
+        self.exported = ElasticBatchState(self)
         self._fisher: FisherStatisticsRollback | None = None
+        self._resume_from: str | None = None
 
     @classmethod
     def attach(cls, trainer: Trainer, **kwargs: Any) -> TrainerElasticBatch:
-        """Builds the helper, registers it as a callback (checkpoint state) and, when the
-        trainer has ``telemetry``, as its provider of ``micro_batch`` / ``accumulation``."""
+        """Builds the helper, registers it and its exported state as callbacks, and, when
+        the trainer has ``telemetry``, registers its ``micro_batch`` / ``accumulation``."""
         helper = cls(trainer, **kwargs)
         trainer.add_callback(helper)
+        trainer.add_callback(helper.exported)
         telemetry = getattr(trainer, "telemetry", None)
         if telemetry is not None:
             telemetry.add_provider(helper.metrics)
@@ -191,16 +220,13 @@ class TrainerElasticBatch(TrainerCallback):
         by the Trainer's accumulation steps unless normalised by ``num_items_in_batch``).
         """
         trainer = self.trainer
-        prepare_cp = getattr(trainer, "_prepare_context_parallel_inputs", None)
-        cp_context, inputs = (
-            prepare_cp(model, inputs) if prepare_cp else (contextlib.nullcontext, inputs)
-        )
+        cp_context, inputs = trainer_compat.context_parallel_inputs(trainer, model, inputs)
         with cp_context():
             model.train()
             if callable(getattr(trainer.optimizer, "train", None)):
                 trainer.optimizer.train()
-            inputs = trainer._prepare_inputs(inputs)
-            normalized = _loss_is_normalized(trainer, num_items_in_batch)
+            inputs = trainer_compat.prepare_inputs(trainer, inputs)
+            normalized = trainer_compat.loss_is_scaled_for_ga(trainer, num_items_in_batch)
             divisor = 1 if normalized else trainer.current_gradient_accumulation_steps
 
             def loss_fn(piece: dict[str, Any]) -> torch.Tensor:
@@ -232,47 +258,92 @@ class TrainerElasticBatch(TrainerCallback):
             self._fisher = FisherStatisticsRollback(collector)
         return [self._fisher]
 
-    def resume(self, resume_from_checkpoint: str | bool | None) -> bool:
-        """Loads the controller's state for ``Trainer.train(resume_from_checkpoint=...)``
-        (``True``: the last checkpoint in ``output_dir``). Returns whether a state was
-        found; a checkpoint without one (saved without elastic batching) starts fresh."""
-        if not resume_from_checkpoint:
-            return False
-        path = resume_from_checkpoint
-        if path is True:
-            path = get_last_checkpoint(self.trainer.args.output_dir)
-            if path is None:
-                return False
-        file = os.path.join(str(path), STATE_NAME)
-        if not os.path.isfile(file):
-            return False
-        with open(file) as f:
-            self.controller.load_state_dict(json.load(f))
-        return True
+    def resume(self, resume_from_checkpoint: str | None) -> None:
+        """Notes the checkpoint a ``train()`` call resumes from (a folder, already
+        resolved): a checkpoint of hf_triaccel 0.1.0 kept the state in a file there."""
+        self._resume_from = resume_from_checkpoint
 
     def on_train_begin(self, args, state, control, **kwargs):
+        for callback in self.trainer.callback_handler.callbacks:
+            if isinstance(callback, ElasticBatchState) and callback.elastic is None:
+                callback.elastic = self  # rebuilt by transformers from the checkpoint
+        saved = state.stateful_callbacks.get(ElasticBatchState.__name__)
+        if isinstance(saved, list):
+            saved = saved[0]
+        if saved is not None and saved["attributes"].get("saved") is not None:
+            self.controller.load_state_dict(saved["attributes"]["saved"])
+        elif self._resume_from is not None:
+            legacy = os.path.join(self._resume_from, LEGACY_STATE_NAME)
+            if os.path.isfile(legacy):
+                with open(legacy) as f:
+                    self.controller.load_state_dict(json.load(f))
+        self._resume_from = None
         reset = getattr(self.probe, "reset_overall_peak", None)
         if callable(reset):
             reset()
 
-    def on_save(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if os.path.isdir(folder):
-            with open(os.path.join(folder, STATE_NAME), "w") as f:
-                json.dump(self.controller.state_dict(), f, indent=2)
+
+def _combine(results: list[tuple[Any, Any, Any]], sizes: list[int]) -> tuple[Any, Any, Any]:
+    """One ``prediction_step`` result from the results of a batch's pieces: the loss
+    weighted by the pieces' sizes, logits and labels concatenated along the batch."""
+    losses = [r[0] for r in results]
+    loss = None
+    if all(x is not None for x in losses):
+        loss = sum(x * n for x, n in zip(losses, sizes, strict=True)) / sum(sizes)
+    parts = []
+    for k in (1, 2):
+        joined = None
+        for r in results:
+            if r[k] is not None:
+                joined = r[k] if joined is None else nested_concat(joined, r[k], padding_index=-100)
+        parts.append(joined)
+    return loss, parts[0], parts[1]
 
 
-def _loss_is_normalized(trainer: Trainer, num_items_in_batch: Any) -> bool:
-    """Whether ``compute_loss`` divides by the whole batch's item count (the Trainer's
-    own test), so that pieces' losses add up without weights."""
-    flag = getattr(trainer, "loss_is_scaled_for_ga", None)
-    if flag is not None:
-        return bool(flag)
-    return (
-        trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
-    ) or trainer.compute_loss_func is not None
+class ElasticEvaluation:
+    """Splits evaluation batches that run out of memory; the training batch is untouched.
+
+    On an out-of-memory error in a ``prediction_step``, cached memory is released and
+    the batch is run in halves (then quarters, ...) down to ``min_micro_batch``; later
+    batches are split at the size that fitted.
+
+    Example:
+        >>> evaluation = ElasticEvaluation()
+        >>> def step(batch):
+        ...     if len(batch["x"]) > 2:
+        ...         raise torch.OutOfMemoryError("CUDA out of memory")
+        ...     return batch["x"].float().mean(), batch["x"], None
+        >>> loss, logits, _ = evaluation.run(step, {"x": torch.arange(8)})
+        >>> evaluation.micro_batch, loss.item(), logits.tolist()
+        (2, 3.5, [0, 1, 2, 3, 4, 5, 6, 7])
+    """
+
+    def __init__(self, min_micro_batch: int = 1, release: Callable[[], None] | None = None):
+        self.min_micro_batch = min_micro_batch
+        self.release = release or (lambda: None)
+        self.micro_batch: int | None = None  # None: whole batches
+
+    def run(self, step: Callable[[Any], tuple[Any, Any, Any]], inputs: Any) -> tuple:
+        n = batch_size(inputs)
+        while True:
+            size = n if self.micro_batch is None else min(self.micro_batch, n)
+            try:
+                if size >= n:
+                    return step(inputs)
+                starts = range(0, n, size)
+                pieces = [slice_batch(inputs, s, min(s + size, n), n) for s in starts]
+                sizes = [min(s + size, n) - s for s in starts]
+                return _combine([step(p) for p in pieces], sizes)
+            except Exception as err:
+                if not is_oom(err) or size <= self.min_micro_batch:
+                    raise
+                self.release()
+                self.micro_batch = max(self.min_micro_batch, size // 2)
+                logger.warning(
+                    "evaluation ran out of memory with %d samples per forward: now %d",
+                    size,
+                    self.micro_batch,
+                )
 
 
 def _check_trainer(trainer: Trainer) -> None:
@@ -281,11 +352,6 @@ def _check_trainer(trainer: Trainer) -> None:
     if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         raise NotImplementedError(
             f"elastic batch does not support {kind.value} yet: use DDP or a single device"
-        )
-    if args.auto_find_batch_size:
-        raise ValueError(
-            "auto_find_batch_size and elastic batch both handle out-of-memory errors: "
-            "turn auto_find_batch_size off (elastic batch keeps the effective batch fixed)"
         )
     if str(getattr(args.optim, "value", args.optim)).lower() in ("lomo", "adalomo"):
         raise NotImplementedError("elastic batch does not support LOMO optimizers")

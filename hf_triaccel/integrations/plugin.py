@@ -1,17 +1,18 @@
 """Accelerate integration: the ``TriAccelPlugin`` and the one call that applies it.
 
 Accelerate has no registry for third-party plugins, so this is a dataclass in the
-style of its own plugins (fields with help, environment fallbacks resolved in one
-place) plus :func:`prepare_triaccel`, which builds the optimizer and its Fisher
-collector and hands everything to ``Accelerator.prepare``. ``TriAccelTrainer`` uses
-the same :meth:`TriAccelPlugin.build_optimizer`, so both paths share one
-implementation.
+style of its own plugins (fields with help) plus :func:`prepare_triaccel`, which builds
+the optimizer and its Fisher collector and hands everything to ``Accelerator.prepare``.
+The plugin *is* an :class:`~hf_triaccel.optim.config.AdaFisherConfig` (same fields,
+defaults and validation) with the controllers' settings added; the optimizer is built by
+:func:`~hf_triaccel.integrations.optimizers.build_adafisher`, as in ``TriAccelTrainer``,
+with the same parameter groups. Settings come from the fields only: the one environment
+variable hf_triaccel reads is ``HF_TRIACCEL_IMPL`` (the kernel implementation).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,88 +21,56 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
 
-from hf_triaccel._types import EMA_MODES
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.signals import SignalTracker
-from hf_triaccel.dispatch import validate_impl
-from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+from hf_triaccel.integrations.optimizers import build_adafisher, optimizer_name
+from hf_triaccel.optim.adafisher import AdaFisher
+from hf_triaccel.optim.config import AdaFisherConfig
 from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.precision import PrecisionController, PrecisionPolicy
 
-OPTIMIZERS = {"adafisher": AdaFisher, "adafisherw": AdaFisherW}
-ENV_PREFIX = "HF_TRIACCEL_"
-
-
-def _env_default(name: str, kind: type) -> Any:
-    """Value of ``HF_TRIACCEL_<NAME>`` converted to ``kind``, or ``None``."""
-    raw = os.environ.get(ENV_PREFIX + name.upper())
-    if raw is None or raw == "":
-        return None
-    if kind is bool:
-        return raw.lower() in ("1", "true", "yes", "on")
-    return kind(raw)
-
 
 @dataclass
-class TriAccelPlugin:
-    """Settings of hf_triaccel for a hand-written Accelerate loop (and for the Trainer).
+class TriAccelPlugin(AdaFisherConfig):
+    """Settings of hf_triaccel for a hand-written Accelerate loop.
 
-    Every field left at ``None`` is read from the environment variable
-    ``HF_TRIACCEL_<FIELD>`` (e.g. ``HF_TRIACCEL_OPTIMIZER=adafisher``), else takes its
-    documented default.
+    The AdaFisher fields (``lr``, ``beta``, ``damping``, ``gamma``, ``update_every``,
+    ``weight_decay``, ``ema``, ``impl``) are :class:`AdaFisherConfig`'s, with its
+    defaults; the rest choose the optimizer and the controllers. Invalid values raise at
+    construction, naming ``TriAccelPlugin.<field>``.
 
     Example:
         >>> from accelerate import Accelerator
-        >>> from torch import nn
         >>> plugin = TriAccelPlugin(optimizer="adafisherw", lr=1e-3, weight_decay=5e-4)
         >>> prepared = prepare_triaccel(Accelerator(cpu=True), nn.Linear(4, 2), plugin)
-        >>> prepared.optimizer.step  # doctest: +ELLIPSIS
-        <...>
+        >>> [g["weight_decay"] for g in prepared.optimizer.param_groups]  # the bias: none
+        [0.0005, 0.0]
+        >>> TriAccelPlugin(lr=-1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: TriAccelPlugin.lr=-1.0: needs >= 0
     """
 
-    optimizer: str | None = field(
-        default=None, metadata={"help": "adafisher or adafisherw (default adafisherw)."}
+    optimizer: str = field(
+        default="adafisherw",
+        metadata={"help": "adafisher (L2 decay) or adafisherw (decoupled decay)."},
     )
-    lr: float | None = field(default=None, metadata={"help": "Learning rate (default 1e-3)."})
-    weight_decay: float | None = field(
-        default=None,
-        metadata={"help": "Weight decay: L2 for adafisher, decoupled for adafisherw (default 0)."},
-    )
-    beta: float | None = field(default=None, metadata={"help": "Momentum (default 0.9)."})
-    damping: float | None = field(
-        default=None, metadata={"help": "Lambda added to every Fisher entry (default 1e-3)."}
-    )
-    gamma: float | None = field(
-        default=None, metadata={"help": "EMA coefficient of the Fisher factors (default 0.8)."}
-    )
-    update_every: int | None = field(
-        default=None,
-        metadata={"help": "Refresh the Fisher factors every N optimizer steps (default 100)."},
-    )
-    ema: str | None = field(
-        default=None,
-        metadata={"help": "Fisher EMA rule: reference (published results) or paper."},
-    )
-    impl: str | None = field(
-        default=None,
-        metadata={"help": "Kernels: triton, foreach or reference (default: automatic)."},
-    )
-    precision: bool | None = field(
-        default=None,
+    precision: bool = field(
+        default=False,
         metadata={
             "help": "Per-module adaptive compute precision (fp32 / bf16 / fp16) steered by "
-            "the Fisher signals (default off)."
+            "the Fisher signals."
         },
     )
-    signals_every: int | None = field(
-        default=None,
-        metadata={"help": "Re-evaluate signals and precision every N optimizer steps (200)."},
+    signals_every: int = field(
+        default=200,
+        metadata={"help": "Re-evaluate signals and precision every N optimizer steps."},
     )
-    fp32_fraction: float | None = field(
-        default=None,
+    fp32_fraction: float = field(
+        default=PrecisionPolicy.fp32_fraction,
         metadata={
             "help": "Share of the compute and of the activations kept in fp32, given to the "
-            "modules most sensitive per unit of that cost (default 0.005)."
+            "modules most sensitive per unit of that cost."
         },
     )
     fp16_fraction: float | None = field(
@@ -111,76 +80,33 @@ class TriAccelPlugin:
             "0.25 under fp16 mixed precision, where a loss scaler exists, else 0)."
         },
     )
-    lr_steering: bool | None = field(
-        default=None,
+    lr_steering: bool = field(
+        default=False,
         metadata={
             "help": "Per-module step-size scale from the curvature signal, re-decided every "
-            "signals_every steps (experimental, default off)."
+            "signals_every steps (experimental)."
         },
     )
 
-    _DEFAULTS = {
-        "optimizer": "adafisherw",
-        "lr": 1e-3,
-        "weight_decay": 0.0,
-        "beta": 0.9,
-        "damping": 1e-3,
-        "gamma": 0.8,
-        "update_every": None,
-        "ema": "reference",
-        "impl": None,
-        "precision": False,
-        "signals_every": 200,
-        "fp32_fraction": PrecisionPolicy.fp32_fraction,
-        "fp16_fraction": None,
-        "lr_steering": False,
-    }
-
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) is None:
-                kind = {
-                    "lr": float,
-                    "weight_decay": float,
-                    "beta": float,
-                    "damping": float,
-                    "gamma": float,
-                    "update_every": int,
-                    "precision": bool,
-                    "signals_every": int,
-                    "fp32_fraction": float,
-                    "fp16_fraction": float,
-                    "lr_steering": bool,
-                }.get(f.name, str)
-                env = _env_default(f.name, kind)
-                setattr(self, f.name, env if env is not None else self._DEFAULTS[f.name])
-        self.optimizer = str(self.optimizer).lower()
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"TriAccelPlugin.optimizer={self.optimizer!r} is not one of {sorted(OPTIMIZERS)}"
-            )
-        if self.ema not in EMA_MODES:
-            raise ValueError(f"TriAccelPlugin.ema={self.ema!r} is not one of {EMA_MODES}")
-        validate_impl(self.impl)
+        self.validate(owner="TriAccelPlugin")
+        self.optimizer = optimizer_name(self.optimizer, "TriAccelPlugin.optimizer")
         for name in ("fp32_fraction", "fp16_fraction"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
-                raise ValueError(f"TriAccelPlugin.{name}={value!r} must lie in [0, 1]")
-        if self.signals_every < 1:
-            raise ValueError(f"TriAccelPlugin.signals_every={self.signals_every!r} must be >= 1")
+                raise ValueError(f"TriAccelPlugin.{name}={value!r}: must lie in [0, 1]")
+        if not self.signals_every >= 1:
+            raise ValueError(f"TriAccelPlugin.signals_every={self.signals_every!r}: needs >= 1")
+
+    def adafisher_config(self) -> AdaFisherConfig:
+        """The optimizer's hyperparameters alone."""
+        return AdaFisherConfig(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(AdaFisherConfig)}
+        )
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         """Hyperparameters of the optimizer constructor."""
-        return dict(
-            lr=self.lr,
-            beta=self.beta,
-            damping=self.damping,
-            gamma=self.gamma,
-            update_every=self.update_every,
-            weight_decay=self.weight_decay,
-            ema=self.ema,
-            impl=self.impl,
-        )
+        return self.adafisher_config().optimizer_kwargs()
 
     def build_collector(self, model: nn.Module) -> FisherCollector:
         """The Fisher collector for ``model`` (unwrap DDP/compile wrappers first)."""
@@ -193,14 +119,13 @@ class TriAccelPlugin:
 
         Args:
             model: the unwrapped model whose modules carry the Fisher factors.
-            params: parameters or param groups (default: every trainable parameter).
+            params: parameters or param groups (default: the trainable parameters, without
+                weight decay on biases and normalisation weights).
             grad_scaler: the loss scaler of fp16 training, so that statistics are unscaled.
         """
-        collector = self.build_collector(model)
-        collector.grad_scaler = grad_scaler
-        if params is None:
-            params = [p for p in model.parameters() if p.requires_grad]
-        return OPTIMIZERS[self.optimizer](params, collector, **self.optimizer_kwargs())
+        return build_adafisher(
+            model, self.optimizer, self.adafisher_config(), params=params, grad_scaler=grad_scaler
+        )
 
     def build_precision(
         self, model: nn.Module, optimizer: AdaFisher, *, fp16: bool
@@ -307,7 +232,7 @@ def prepare_triaccel(
     Args:
         accelerator: the run's ``Accelerator`` (single device or DDP).
         model: the model, not yet prepared.
-        plugin: settings (default: ``TriAccelPlugin()``, i.e. environment or defaults).
+        plugin: settings (default: ``TriAccelPlugin()``, every field at its default).
         *others: more objects to prepare in the same call (dataloaders, scheduler).
         params: parameters or param groups for the optimizer (default: all trainable).
 

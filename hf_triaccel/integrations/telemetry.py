@@ -1,5 +1,11 @@
 """Efficiency telemetry for the Trainer: step time, samples/s, peak memory, and a
-JSON efficiency report at the end of training."""
+JSON efficiency report.
+
+The window metrics join each training log as it goes to the callbacks that report it
+(console, TensorBoard, W&B, ...), but not ``TrainerState.log_history``: timings differ
+between a run and its resumption, and the log history is what checkpoints keep and
+resume tests compare. The report is written where transformers' tooling does not look:
+a folder chosen for it, or beside the model that ``save_model`` writes."""
 
 from __future__ import annotations
 
@@ -48,29 +54,33 @@ class EfficiencyTelemetry(TrainerCallback):
     device's pace. ``extra`` providers (precision map, micro-batch size...) add their
     own entries to every log and to the report.
 
+    To reach the reporting callbacks, it must be the first callback of the trainer's
+    handler (``TriAccelTrainer`` puts it there).
+
     Example:
         >>> telemetry = EfficiencyTelemetry()
         >>> telemetry.add_provider(lambda: {"micro_batch": 128})
     """
 
     def __init__(self) -> None:
-        self._providers: list[Callable[[], dict[str, Any]]] = []
+        self._providers: dict[str, Callable[[], dict[str, Any]]] = {}
         self._train_start = 0.0
         self._window_start = 0.0
         self._window_steps = 0
         self._steps = 0
         self._samples_per_step = 0
 
-    def add_provider(self, provider: Callable[[], dict[str, Any]]) -> None:
-        """Adds a callable whose dict is merged into every training log and the report."""
-        self._providers.append(provider)
+    def add_provider(self, provider: Callable[[], dict[str, Any]], name: str | None = None) -> None:
+        """Adds a callable whose dict is merged into every training log and the report;
+        a provider added under the ``name`` of an earlier one replaces it."""
+        self._providers[name or f"provider-{len(self._providers)}"] = provider
 
     def on_train_begin(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        self._samples_per_step = (
-            args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-        )
+        # the Trainer's batch: auto_find_batch_size may have made it smaller than the arguments'
+        batch = state.train_batch_size or args.per_device_train_batch_size
+        self._samples_per_step = batch * args.gradient_accumulation_steps * args.world_size
         self._train_start = self._window_start = time.perf_counter()
         self._window_steps = self._steps = 0
 
@@ -89,7 +99,7 @@ class EfficiencyTelemetry(TrainerCallback):
                 self._window_steps * self._samples_per_step / elapsed, 2
             )
         metrics.update(self._memory())
-        for provider in self._providers:
+        for provider in self._providers.values():
             metrics.update(provider())
         self._window_start, self._window_steps = now, 0
         return metrics
@@ -114,15 +124,24 @@ class EfficiencyTelemetry(TrainerCallback):
             "step_time_ms": round(1e3 * runtime / self._steps, 3) if self._steps else None,
             **self._memory(),
         }
-        for provider in self._providers:
+        for provider in self._providers.values():
             out.update(provider())
         out.update(extra or {})
         return out
 
-    def on_train_end(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        os.makedirs(args.output_dir, exist_ok=True)
-        path = os.path.join(args.output_dir, REPORT_NAME)
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "loss" in logs:  # a training log, not an evaluation one
+            logs.update(self.window_metrics())
+
+    def write_report(self, folder: str | os.PathLike) -> str:
+        """Writes :meth:`report` to ``folder/efficiency_report.json``; returns the path."""
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, REPORT_NAME)
         with open(path, "w") as f:
             json.dump(self.report(), f, indent=2)
+        return path
+
+    def on_train_end(self, args, state, control, **kwargs):
+        folder = getattr(args, "triaccel_report_dir", None)
+        if folder is not None and state.is_world_process_zero:
+            self.write_report(folder)

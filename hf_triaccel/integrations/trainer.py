@@ -1,34 +1,68 @@
-"""transformers integration: ``TriAccelArguments`` and ``TriAccelTrainer``.
+"""transformers integration: ``TriAccelMixin`` for any Trainer, ``TriAccelTrainer``.
 
-``TrainingArguments(optim=...)`` rejects names it does not know, so the arguments
-subclass accepts ``adafisher`` / ``adafisherw`` (any name transformers knows still
-works) and the Trainer subclass overrides ``create_optimizer``; the Trainer's own
-weight-decay parameter groups are kept.
+The mixin works through the Trainer's own extension points:
+
+* the optimizer: ``get_optimizer_cls_and_kwargs`` maps ``optim="adafisher(w)"`` to a
+  factory that receives the model (the Trainer's optimizer-selection path; the user's
+  ``optimizer_cls_and_kwargs`` stays theirs), ``get_decay_parameter_names`` applies
+  hf_triaccel's parameter-group rule to every optimizer, and ``create_optimizer`` adds
+  the fp16 loss scaler and the controllers;
+* the loss: ``compute_loss`` is the Trainer's for every model whose ``forward`` takes the
+  whole batch by name; the others (timm's ``forward(x)``) get the fallback of
+  :mod:`~hf_triaccel.integrations.trainer_loss`;
+* the hooks: the Fisher collector and the controllers are attached while ``train()``
+  runs and removed when it returns (a later ``train()`` rebuilds them, the optimizer
+  state carried over);
+* the elastic batch (``training_step``, ``prediction_step``), telemetry and reports
+  (callbacks), and the device image loader (``get_*_dataloader``).
+
+The caller's arguments are never changed: resolved values (the learning rate, ...) live
+in :attr:`TriAccelMixin.triaccel_settings` and are logged once per ``train()``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import os
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_pt_utils import LabelSmoother
+from transformers.trainer_utils import get_last_checkpoint
 
-from hf_triaccel._types import EMA_MODES
 from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.data.images import ImageTensors
-from hf_triaccel.dispatch import IMPLS
-from hf_triaccel.integrations.elastic import TrainerElasticBatch
-from hf_triaccel.integrations.plugin import OPTIMIZERS, TriAccelPlugin, check_distributed_support
+from hf_triaccel.integrations import trainer_compat
+from hf_triaccel.integrations.elastic import ElasticEvaluation, TrainerElasticBatch
+from hf_triaccel.integrations.optimizers import FACTORIES
+from hf_triaccel.integrations.plugin import check_distributed_support
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
+from hf_triaccel.integrations.trainer_args import (
+    TriAccelArguments,
+    config_from_args,
+    optim_name,
+    plugin_from_args,
+    resolve_learning_rate,
+    setting,
+    uses_adafisher,
+)
 from hf_triaccel.integrations.trainer_data import DeviceImageDataLoader
+from hf_triaccel.integrations.trainer_loss import (
+    fallback_loss,
+    forward_parameters,
+    takes_whole_batch,
+)
+from hf_triaccel.optim.adafisher import AdaFisher
+from hf_triaccel.optim.groups import no_decay_names
 from hf_triaccel.optim.steering import StepSizeSteering
-from hf_triaccel.precision import PrecisionController, PrecisionPolicy, plot_precision_map
+from hf_triaccel.precision import PrecisionController, plot_precision_map
+
+__all__ = ["TriAccelArguments", "TriAccelMixin", "TriAccelTrainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,322 +70,181 @@ PRECISION_MAP_NAME = "precision_map.png"
 SIGNALS_NAME = "signals.json"
 
 
-@dataclass
-class TriAccelArguments(TrainingArguments):
-    """``TrainingArguments`` with hf_triaccel's settings (each a CLI flag through
-    ``HfArgumentParser``).
+def _inner(optimizer: Any) -> Any:
+    """The torch optimizer inside Accelerate's (or SageMaker's) wrapper."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
-    ``optim`` also accepts ``"adafisher"`` and ``"adafisherw"`` (the default);
-    ``learning_rate`` and ``weight_decay`` are the Trainer's own.
 
-    Example:
-        >>> args = TriAccelArguments(output_dir="out", optim="adafisherw", learning_rate=1e-3)
-        >>> args.to_plugin().optimizer
-        'adafisherw'
+class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
+    """hf_triaccel for any ``transformers.Trainer`` subclass (TRL's included): put it
+    first, ``class MyTrainer(TriAccelMixin, SFTTrainer)``.
+
+    Settings come from the arguments' :class:`TriAccelArguments` fields; arguments of
+    another class (a TRL config) use their defaults, and a config class that takes both
+    (``@dataclass class Config(TriAccelArguments, SFTConfig)``) gives access to all.
     """
 
-    optim: str = field(
-        default="adafisherw",
-        metadata={
-            "help": "Optimizer: adafisher, adafisherw (Fisher-preconditioned, hf_triaccel) "
-            "or any name transformers' `optim` accepts (e.g. adamw_torch_fused)."
-        },
-    )
-    logging_nan_inf_filter: bool = field(
-        default=False,
-        metadata={
-            "help": "Leave nan/inf losses out of the logged loss. Off by default here (on in "
-            "transformers): the check reads the loss back at every step, a GPU sync that "
-            "costs throughput on small models."
-        },
-    )
-    adafisher_beta: float = field(default=0.9, metadata={"help": "AdaFisher momentum."})
-    adafisher_damping: float = field(
-        default=1e-3, metadata={"help": "AdaFisher: lambda added to every Fisher entry."}
-    )
-    adafisher_gamma: float = field(
-        default=0.8, metadata={"help": "AdaFisher: EMA coefficient of the Fisher factors."}
-    )
-    adafisher_update_every: int | None = field(
-        default=None,
-        metadata={
-            "help": "AdaFisher: refresh the Fisher factors every N optimizer steps "
-            "(default 100 for ema=reference, 1 for ema=paper)."
-        },
-    )
-    adafisher_ema: str = field(
-        default="reference",
-        metadata={"help": "AdaFisher EMA rule: reference (published results) or paper."},
-    )
-    triaccel_impl: str | None = field(
-        default=None,
-        metadata={"help": "Kernels: triton, foreach or reference (default: automatic)."},
-    )
-    triaccel_precision: bool = field(
-        default=False,
-        metadata={
-            "help": "Per-module adaptive compute precision (fp32 / bf16 / fp16) steered by "
-            "the Fisher signals; needs optim adafisher or adafisherw."
-        },
-    )
-    triaccel_signals_every: int = field(
-        default=200,
-        metadata={"help": "Re-evaluate signals and precision every N optimizer steps."},
-    )
-    triaccel_fp32_fraction: float = field(
-        default=PrecisionPolicy.fp32_fraction,
-        metadata={
-            "help": "Share of the compute and of the activations kept in fp32, given to the "
-            "modules most sensitive per unit of that cost."
-        },
-    )
-    triaccel_fp16_fraction: float | None = field(
-        default=None,
-        metadata={
-            "help": "Share of the compute and activations in fp16, least sensitive first (default "
-            "0.25 with --fp16, where a loss scaler exists, else 0)."
-        },
-    )
-    triaccel_lr_steering: bool = field(
-        default=False,
-        metadata={
-            "help": "Per-module step-size scale from the curvature signal, re-decided every "
-            "triaccel_signals_every steps (experimental); needs optim adafisher or adafisherw."
-        },
-    )
-    elastic_batch: bool = field(
-        default=False,
-        metadata={
-            "help": "Micro-batch that follows live GPU memory, with out-of-memory steps re-run "
-            "in smaller pieces; the effective batch stays per_device_train_batch_size. "
-            "--auto_find_batch_size turns it on too (it replaces the stock search)."
-        },
-    )
-    elastic_min_micro_batch: int = field(
-        default=1, metadata={"help": "Elastic batch: smallest micro-batch before giving up."}
-    )
-    elastic_target_fraction: float = field(
-        default=0.9,
-        metadata={"help": "Elastic batch: peak memory target, as a share of what the GPU gives."},
-    )
-    device_data_augment: bool = field(
-        default=True,
-        metadata={
-            "help": "For an ImageTensors train_dataset (images kept on the device): random "
-            "crop with 4-pixel padding and horizontal flip, done per batch on the device."
-        },
-    )
-
-    def __post_init__(self) -> None:
-        name = getattr(self.optim, "value", self.optim)
-        self.optim = str(name).lower() if str(name).lower() in OPTIMIZERS else name
-        ours = self.optim in OPTIMIZERS
-        if ours:
-            self._check_adafisher_fields()
-            chosen, self.optim = self.optim, "adamw_torch"  # let the parent validate the rest
-        if self.auto_find_batch_size:
-            # the stock search restarts the inner loop and drops the accumulation
-            # arithmetic; the elastic controller replaces it under the same flag
-            self.auto_find_batch_size, self.elastic_batch = False, True
-        if self.elastic_min_micro_batch < 1:
-            raise ValueError(
-                f"TriAccelArguments.elastic_min_micro_batch={self.elastic_min_micro_batch!r}: "
-                "needs >= 1"
-            )
-        if not 0.0 < self.elastic_target_fraction <= 1.0:
-            raise ValueError(
-                f"TriAccelArguments.elastic_target_fraction={self.elastic_target_fraction!r}: "
-                "must lie in (0, 1]"
-            )
-        super().__post_init__()
-        for name in ("triaccel_precision", "triaccel_lr_steering"):
-            if getattr(self, name) and not ours:
-                raise ValueError(
-                    f"TriAccelArguments.{name} needs optim adafisher or adafisherw "
-                    f"(its signals come from the Fisher factors), got optim={self.optim!r}"
-                )
-        if ours:
-            self.optim = chosen
-            if self.fsdp or self.deepspeed:
-                raise ValueError(
-                    f"optim={chosen!r} does not support "
-                    f"{'fsdp' if self.fsdp else 'deepspeed'} yet: use DDP or a single device"
-                )
-
-    def _check_adafisher_fields(self) -> None:
-        checks = [
-            ("adafisher_beta", 0.0 <= self.adafisher_beta < 1.0, "needs 0 <= beta < 1"),
-            ("adafisher_damping", self.adafisher_damping > 0.0, "needs > 0"),
-            ("adafisher_gamma", 0.0 < self.adafisher_gamma < 1.0, "needs 0 < gamma < 1"),
-            (
-                "adafisher_update_every",
-                self.adafisher_update_every is None or self.adafisher_update_every >= 1,
-                "needs an integer >= 1",
-            ),
-            ("adafisher_ema", self.adafisher_ema in EMA_MODES, f"must be one of {EMA_MODES}"),
-            (
-                "triaccel_impl",
-                self.triaccel_impl is None or self.triaccel_impl in IMPLS + ("auto",),
-                f"must be one of {IMPLS + ('auto',)}",
-            ),
-            ("learning_rate", self.learning_rate >= 0.0, "needs >= 0"),
-            ("weight_decay", self.weight_decay >= 0.0, "needs >= 0"),
-            ("triaccel_signals_every", self.triaccel_signals_every >= 1, "needs >= 1"),
-            (
-                "triaccel_fp32_fraction",
-                0.0 <= self.triaccel_fp32_fraction <= 1.0,
-                "must lie in [0, 1]",
-            ),
-            (
-                "triaccel_fp16_fraction",
-                self.triaccel_fp16_fraction is None or 0.0 <= self.triaccel_fp16_fraction <= 1.0,
-                "must lie in [0, 1]",
-            ),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"TriAccelArguments.{name}={getattr(self, name)!r}: {why}")
-
-    @property
-    def uses_adafisher(self) -> bool:
-        """Whether ``optim`` names one of hf_triaccel's optimizers."""
-        return self.optim in OPTIMIZERS
-
-    def to_plugin(self) -> TriAccelPlugin:
-        """The :class:`TriAccelPlugin` these arguments describe."""
-        if not self.uses_adafisher:
-            raise ValueError(f"optim={self.optim!r} is not an hf_triaccel optimizer")
-        return TriAccelPlugin(
-            optimizer=self.optim,
-            lr=self.learning_rate,
-            weight_decay=self.weight_decay,
-            beta=self.adafisher_beta,
-            damping=self.adafisher_damping,
-            gamma=self.adafisher_gamma,
-            update_every=self.adafisher_update_every,
-            ema=self.adafisher_ema,
-            impl=self.triaccel_impl,
-            precision=self.triaccel_precision,
-            signals_every=self.triaccel_signals_every,
-            fp32_fraction=self.triaccel_fp32_fraction,
-            fp16_fraction=self.triaccel_fp16_fraction,
-            lr_steering=self.triaccel_lr_steering,
-        )
-
-
-class TriAccelTrainer(Trainer):
-    """A ``transformers.Trainer`` that trains with AdaFisher and reports its efficiency.
-
-    Works with transformers models and with plain ``nn.Module`` models (timm): for
-    those, the batch's single non-label entry is passed positionally and the loss is
-    cross-entropy on the returned logits, with ``label_smoothing_factor`` (or
-    ``compute_loss_func`` when given).
-
-    ``train_dataset`` / ``eval_dataset`` may be an
-    :class:`~hf_triaccel.data.images.ImageTensors` (decoded images, see
-    :func:`~hf_triaccel.data.images.load_image_dataset`): batches are then gathered and
-    augmented on the device instead of collated by DataLoader workers.
-
-    Example:
-        >>> from transformers import GPT2Config, GPT2LMHeadModel
-        >>> model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-        >>> args = TriAccelArguments(output_dir="out", max_steps=2, learning_rate=1e-3)
-        >>> trainer = TriAccelTrainer(model=model, args=args, train_dataset=[])  # doctest: +SKIP
-    """
-
-    def __init__(self, model=None, args: TriAccelArguments | None = None, *a, **kw) -> None:
-        if args is None:
-            args = TriAccelArguments(output_dir="trainer_output")
-        if not isinstance(args, TriAccelArguments):
-            raise TypeError(
-                f"TriAccelTrainer needs TriAccelArguments, got {type(args).__name__}; "
-                "TriAccelArguments accepts every TrainingArguments field"
-            )
-        self._plain_model = model is not None and not isinstance(model, PreTrainedModel)
-        self._pixel_stats: tuple[ImageTensors, tuple] | None = None
-        if self._plain_model and args.remove_unused_columns:
-            # the column filter reads forward()'s signature, which says nothing useful
-            # for a plain module such as timm's forward(x)
-            logger.info("plain nn.Module model: keeping every dataset column")
-            args.remove_unused_columns = False
-        # the stock label smoother reads model.config, which a plain module lacks: the
-        # plain-model loss applies the smoothing itself
-        self._label_smoothing = 0.0
-        if self._plain_model and args.label_smoothing_factor:
-            self._label_smoothing, args.label_smoothing_factor = args.label_smoothing_factor, 0.0
-        super().__init__(model, args, *a, **kw)
-        if self._plain_model and self.args.label_names is None:
-            self.label_names = ["labels"]
-        if args.uses_adafisher:
+    def __init__(self, model=None, args: TrainingArguments | None = None, *pargs, **kwargs):
+        with trainer_compat.init_arguments(model, args) as init_args:
+            super().__init__(model, init_args, *pargs, **kwargs)
+        if init_args is not args:
+            self.args = args  # the caller's object; the loss applies its label smoothing
+            self.label_smoother = LabelSmoother(epsilon=args.label_smoothing_factor)
+        if self.model is not None and not self.label_names and not self._var_keyword():
+            self.label_names = ["labels"]  # a forward without **kwargs names no labels
+        self.telemetry = EfficiencyTelemetry()
+        # first, so that its metrics reach every reporting callback's on_log
+        self.callback_handler.callbacks.insert(0, self.telemetry)
+        self.signals: SignalTracker | None = None
+        self.precision: PrecisionController | None = None
+        self.steering: StepSizeSteering | None = None
+        self.elastic: TrainerElasticBatch | None = None
+        self.eval_pieces: ElasticEvaluation | None = None
+        self._built: Any = None  # the optimizer this mixin built and hooked
+        self._hooked = False
+        self._carried_state: dict[str, Any] | None = None
+        self._takes_batch: dict[tuple, bool] = {}
+        if setting(self.args, "triaccel_precision"):
+            self.add_callback(_PrecisionReport(self))
+        if uses_adafisher(self.args):
             check_distributed_support(self.accelerator.distributed_type)
-            if args.torch_compile:
+            if self.args.torch_compile:
                 warnings.warn(
                     "torch_compile with AdaFisher: the Fisher statistics hooks run Python on "
                     "refresh steps, which breaks the compiled graph there; steps in between "
                     "run compiled",
                     stacklevel=2,
                 )
-        self.telemetry = EfficiencyTelemetry()
-        self.add_callback(self.telemetry)
-        self.signals: SignalTracker | None = None
-        self.precision: PrecisionController | None = None
-        self.steering: StepSizeSteering | None = None
-        self.elastic: TrainerElasticBatch | None = None
-        if args.elastic_batch:
+        if setting(self.args, "elastic_batch") or self.args.auto_find_batch_size:
             self.enable_elastic_batch(
-                min_micro_batch=args.elastic_min_micro_batch,
-                target_fraction=args.elastic_target_fraction,
+                min_micro_batch=setting(self.args, "elastic_min_micro_batch"),
+                target_fraction=setting(self.args, "elastic_target_fraction"),
             )
 
-    def enable_elastic_batch(self, **kwargs: Any) -> TrainerElasticBatch:
-        """Turns on the memory-elastic micro-batch (what ``elastic_batch=True`` does);
-        ``kwargs`` go to :class:`TrainerElasticBatch` (e.g. a custom memory ``probe``)."""
-        self.elastic = TrainerElasticBatch.attach(self, **kwargs)
-        return self.elastic
+    def _var_keyword(self) -> bool:
+        return forward_parameters(self.model)[1]
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.elastic is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        return self.elastic.training_step(model, inputs, num_items_in_batch)
+    # -- settings -------------------------------------------------------------------
 
-    def train(self, resume_from_checkpoint=None, **kwargs):
-        if self.elastic is not None:
-            self.elastic.resume(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, **kwargs)
+    @property
+    def triaccel_settings(self) -> dict[str, Any]:
+        """What this trainer resolved from its arguments (the arguments stay as given)."""
+        args = self.args
+        return {
+            "optim": optim_name(args),
+            "learning_rate": resolve_learning_rate(args),
+            "learning_rate_set": args.learning_rate is not None,
+            "weight_decay_excludes": "biases and normalisation weights",
+            "elastic_batch": self.elastic is not None,
+            "label_smoothing": args.label_smoothing_factor,
+        }
+
+    @property
+    def label_smoothing(self) -> float:
+        """The label smoothing of the loss (``label_smoothing_factor``)."""
+        return self.args.label_smoothing_factor
+
+    def _log_settings(self) -> None:
+        s = self.triaccel_settings
+        source = "set" if s["learning_rate_set"] else "the optimizer's default"
+        logger.info(
+            "hf_triaccel: optim=%s, learning_rate=%g (%s), elastic batch %s",
+            s["optim"],
+            s["learning_rate"],
+            source,
+            "on" if s["elastic_batch"] else "off",
+        )
+
+    # -- optimizer ------------------------------------------------------------------
+
+    @classmethod
+    def get_optimizer_cls_and_kwargs(
+        cls, args: TrainingArguments, model: torch.nn.Module | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """``(factory, hyperparameters)`` for ``optim="adafisher(w)"`` (the Trainer calls
+        the factory with the model), else the Trainer's own choice, with the learning
+        rate resolved when ``args`` leave it unset."""
+        if uses_adafisher(args):
+            return FACTORIES[optim_name(args)], config_from_args(args).optimizer_kwargs()
+        if args.learning_rate is None:
+            args = copy.copy(args)  # the caller's object stays as given
+            args.learning_rate = resolve_learning_rate(args)
+        return super().get_optimizer_cls_and_kwargs(args, model)
+
+    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """Every parameter but biases and normalisation weights (hf_triaccel's rule, the
+        one AdaFisher's factory applies too)."""
+        skip = no_decay_names(model)
+        return [name for name, _ in model.named_parameters() if name not in skip]
 
     @property
     def collector(self):
         """The Fisher collector of the optimizer (``None`` before it is created)."""
-        opt = getattr(self.optimizer, "optimizer", self.optimizer)
-        return getattr(opt, "collector", None)
+        return getattr(_inner(self.optimizer), "collector", None)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
-        if self.optimizer is None and self.args.uses_adafisher:
-            if self.optimizer_cls_and_kwargs is not None:
-                raise ValueError(
-                    f"optim={self.args.optim!r} and optimizer_cls_and_kwargs were both given"
-                )
-            plugin = self.args.to_plugin()
-            unwrapped = self.accelerator.unwrap_model(self.model if model is None else model)
-            collector = plugin.build_collector(unwrapped)
-            collector.grad_scaler = self.accelerator.scaler
-            self.optimizer_cls_and_kwargs = (
-                OPTIMIZERS[plugin.optimizer],
-                {"collector": collector, **plugin.optimizer_kwargs()},
+        if self.optimizer is not None:
+            return super().create_optimizer(model)
+        if self.optimizer_cls_and_kwargs is not None and uses_adafisher(self.args):
+            logger.warning(
+                "optimizer_cls_and_kwargs was given: it is used, not optim=%r", self.args.optim
             )
-            optimizer = super().create_optimizer(model)
-            inner = getattr(optimizer, "optimizer", optimizer)
-            controllers = plugin.build_precision(unwrapped, inner, fp16=self.args.fp16)
-            if controllers is not None:
-                self.signals, self.precision = controllers
-                self.telemetry.add_provider(self.precision.counts)
-                self.add_callback(_PrecisionReport(self.precision, self.signals))
-            self.steering = plugin.build_steering(inner, self.signals)
-            if self.steering is not None:
-                self.signals = self.steering.tracker
-                self.telemetry.add_provider(self.steering.summary)
+        optimizer = super().create_optimizer(model)
+        inner = _inner(optimizer)
+        unwrapped = self.accelerator.unwrap_model(self.model if model is None else model)
+        plugin = plugin_from_args(self.args)
+        if not isinstance(inner, AdaFisher):
+            if plugin.precision or plugin.lr_steering:
+                raise ValueError(
+                    "triaccel_precision and triaccel_lr_steering need AdaFisher or AdaFisherW, "
+                    f"got {type(inner).__name__}"
+                )
             return optimizer
-        return super().create_optimizer(model)
+        inner.collector.grad_scaler = self.accelerator.scaler
+        controllers = plugin.build_precision(unwrapped, inner, fp16=self.args.fp16)
+        if controllers is not None:
+            self.signals, self.precision = controllers
+            self.telemetry.add_provider(self.precision.counts, "precision")
+        self.steering = plugin.build_steering(inner, self.signals)
+        if self.steering is not None:
+            self.signals = self.steering.tracker
+            self.telemetry.add_provider(self.steering.summary, "steering")
+        if self._carried_state is not None:
+            inner.load_state_dict(self._carried_state)
+            self._carried_state = None
+        self._built, self._hooked = inner, True
+        return optimizer
+
+    def _remove_hooks(self) -> None:
+        """Removes the model hooks of what :meth:`create_optimizer` built."""
+        if not self._hooked:
+            return
+        for part in (self.steering, self.precision, self.signals, self._built.collector):
+            if part is not None:
+                part.remove()
+        self._hooked = False
+
+    # -- training -------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        rebuild = self._built is not None and _inner(self.optimizer) is self._built
+        if rebuild and not self._hooked and self.model_init is None:
+            # hooks were removed when the last train() returned: rebuild the optimizer
+            # (and its hooks) on the same model, carrying its state over
+            self._carried_state = self._built.state_dict()
+            self.optimizer = None
+        if self.elastic is not None:
+            path = resume_from_checkpoint
+            if path is True:
+                path = get_last_checkpoint(self.args.output_dir)
+            self.elastic.resume(path or None)
+        self._log_settings()
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._remove_hooks()
 
     def compute_loss(
         self,
@@ -360,34 +253,78 @@ class TriAccelTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch=None,
     ):
-        if not self._plain_model:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        features = {k: v for k, v in inputs.items() if k != "labels"}
-        if "labels" not in inputs or len(features) != 1:
-            raise ValueError(
-                "a plain nn.Module model needs batches with 'labels' and exactly one input "
-                f"entry; got keys {sorted(inputs)}"
+        unwrapped = self.accelerator.unwrap_model(model)
+        key = (type(unwrapped), tuple(inputs))
+        stock = self._takes_batch.get(key)
+        if stock is None:
+            stock = self._takes_batch[key] = takes_whole_batch(
+                forward_parameters(unwrapped), inputs
             )
-        logits = model(next(iter(features.values())))
-        labels = inputs["labels"]
-        if self.compute_loss_func is not None:
-            loss = self.compute_loss_func(logits, labels, num_items_in_batch=num_items_in_batch)
-            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-                # as the stock compute_loss: the loss is normalised by the global item
-                # count, and DDP averages gradients over processes
-                loss = loss * self.accelerator.num_processes
-        else:
-            loss = F.cross_entropy(logits.float(), labels, label_smoothing=self._label_smoothing)
-        return (loss, {"logits": logits}) if return_outputs else loss
+        if stock:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss, outputs = fallback_loss(
+            model,
+            inputs,
+            self.label_names,
+            label_smoothing=self.args.label_smoothing_factor,
+            compute_loss_func=self.compute_loss_func,
+            num_items_in_batch=num_items_in_batch,
+        )
+        if (
+            self.compute_loss_func is not None
+            and self.args.average_tokens_across_devices
+            and num_items_in_batch is not None
+        ):
+            # as the Trainer's compute_loss: normalised by the global item count, while
+            # DDP averages gradients over processes
+            loss = loss * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
+
+    def enable_elastic_batch(self, **kwargs: Any) -> TrainerElasticBatch:
+        """Turns on the memory-elastic micro-batch (what ``elastic_batch=True`` does) and
+        the splitting of evaluation batches that run out of memory; ``kwargs`` go to
+        :class:`TrainerElasticBatch` (e.g. a custom memory ``probe``)."""
+        self.elastic = TrainerElasticBatch.attach(self, **kwargs)
+        self.eval_pieces = ElasticEvaluation(release=self.elastic.probe.release)
+        return self.elastic
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.elastic is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        return self.elastic.training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self.eval_pieces is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        step = super().prediction_step
+        return self.eval_pieces.run(
+            lambda piece: step(model, piece, prediction_loss_only, ignore_keys), inputs
+        )
+
+    # -- outputs --------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's ``save_model``; called by the user after training, it also writes
+        the efficiency report (and the precision report) beside the model. Checkpoints
+        (``_internal_call``) hold what transformers writes."""
+        super().save_model(output_dir, _internal_call)
+        if _internal_call or not self.is_world_process_zero() or self.state.global_step == 0:
+            return
+        folder = output_dir or self.args.output_dir
+        self.telemetry.write_report(folder)
+        if self.precision is not None:
+            write_precision_report(folder, self.precision, self.signals, self.state.global_step)
+
+    # -- data -----------------------------------------------------------------------
 
     def get_train_dataloader(self):
         if not isinstance(self.train_dataset, ImageTensors):
             return super().get_train_dataloader()
         return self._device_loader(
             self.train_dataset,
-            self._train_batch_size,
+            trainer_compat.train_batch_size(self),
             shuffle=True,
-            augment=self.args.device_data_augment,
+            augment=setting(self.args, "device_data_augment"),
             drop_last=self.args.dataloader_drop_last,
         )
 
@@ -404,9 +341,10 @@ class TriAccelTrainer(Trainer):
         stats = self.train_dataset if isinstance(self.train_dataset, ImageTensors) else data
         # computed once: each evaluation builds a new loader, and the statistics take a
         # pass over every training image
-        if self._pixel_stats is None or self._pixel_stats[0] is not stats:
-            self._pixel_stats = (stats, stats.channel_stats())
-        mean, std = self._pixel_stats[1]
+        cached = getattr(self, "_pixel_stats", None)
+        if cached is None or cached[0] is not stats:
+            self._pixel_stats = cached = (stats, stats.channel_stats())
+        mean, std = cached[1]
         return DeviceImageDataLoader(
             data,
             batch_size,
@@ -419,31 +357,103 @@ class TriAccelTrainer(Trainer):
             **kwargs,
         )
 
-    @property
-    def label_smoothing(self) -> float:
-        """The label smoothing of the loss: ``label_smoothing_factor`` as given (for a plain
-        ``nn.Module`` model it is applied here, the Trainer's own smoother needing a
-        transformers model)."""
-        return self._label_smoothing if self._plain_model else self.args.label_smoothing_factor
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log, not an evaluation one
-            logs.update(self.telemetry.window_metrics())
-        super().log(logs, start_time)
+class TriAccelTrainer(TriAccelMixin, Trainer):
+    """A ``transformers.Trainer`` that trains with AdaFisher and reports its efficiency.
+
+    Every model the stock Trainer trains trains here with the same loss (outputs as a
+    dict, tuple or ``ModelOutput`` carrying a loss, any number of inputs,
+    ``compute_loss_func``, ``label_names``, wrappers); plain timm-style models
+    (``forward(x) -> logits``) get the batch's inputs without the labels and, when they
+    return no loss, cross-entropy with ``label_smoothing_factor``.
+
+    ``train_dataset`` / ``eval_dataset`` may be an
+    :class:`~hf_triaccel.data.images.ImageTensors` (decoded images, see
+    :func:`~hf_triaccel.data.images.load_image_dataset`): batches are then gathered and
+    augmented on the device instead of collated by DataLoader workers.
+
+    Example:
+        >>> import tempfile
+        >>> from torch.utils.data import TensorDataset
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> class Tokens(torch.utils.data.Dataset):
+        ...     def __len__(self):
+        ...         return 8
+        ...     def __getitem__(self, i):
+        ...         ids = torch.arange(i, i + 6) % 32
+        ...         return {"input_ids": ids, "labels": ids}
+        >>> model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+        >>> args = TriAccelArguments(
+        ...     output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4,
+        ...     report_to=[], use_cpu=True, disable_tqdm=True,
+        ... )
+        >>> trainer = TriAccelTrainer(model=model, args=args, train_dataset=Tokens())
+        >>> trainer.train().global_step
+        2
+        >>> trainer.triaccel_settings["learning_rate"], trainer.collector.attached
+        (0.001, False)
+    """
+
+    def __init__(self, model=None, args: TriAccelArguments | None = None, *a, **kw) -> None:
+        if args is None:
+            args = TriAccelArguments(output_dir="trainer_output")
+        if not isinstance(args, TriAccelArguments):
+            raise TypeError(
+                f"TriAccelTrainer needs TriAccelArguments, got {type(args).__name__}; "
+                "TriAccelArguments accepts every TrainingArguments field"
+            )
+        super().__init__(model, args, *a, **kw)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_precision_report(
+    folder: str | os.PathLike,
+    precision: PrecisionController,
+    signals: SignalTracker | None,
+    last_step: int,
+) -> None:
+    """The precision map (PNG; skipped with a warning without matplotlib) and the last
+    signals (JSON) in ``folder``."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    if not _has_matplotlib():
+        warnings.warn(
+            f"{PRECISION_MAP_NAME} skipped: matplotlib is not installed "
+            "(pip install 'hf-triaccel[hf]')",
+            stacklevel=2,
+        )
+    else:
+        plot_precision_map(precision.events, out / PRECISION_MAP_NAME, last_step=last_step)
+    if signals is not None:
+        (out / SIGNALS_NAME).write_text(json.dumps(signals.as_dict(), indent=2))
 
 
 class _PrecisionReport(TrainerCallback):
-    """At the end of training: the precision map (PNG) and the last signals (JSON)."""
+    """Checks for matplotlib when training starts; writes the precision report to
+    ``triaccel_report_dir`` (when set) when it ends."""
 
-    def __init__(self, precision: PrecisionController, signals: SignalTracker) -> None:
-        self.precision, self.signals = precision, signals
+    def __init__(self, trainer: TriAccelMixin) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and not _has_matplotlib():
+            warnings.warn(
+                "triaccel_precision: matplotlib is not installed, so the precision map "
+                f"({PRECISION_MAP_NAME}) will be skipped; install it with "
+                "pip install 'hf-triaccel[hf]'",
+                stacklevel=2,
+            )
 
     def on_train_end(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
+        folder = setting(args, "triaccel_report_dir")
+        trainer = self.trainer
+        if folder is None or not state.is_world_process_zero or trainer.precision is None:
             return
-        out = Path(args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        plot_precision_map(
-            self.precision.events, out / PRECISION_MAP_NAME, last_step=state.global_step
-        )
-        (out / SIGNALS_NAME).write_text(json.dumps(self.signals.as_dict(), indent=2))
+        write_precision_report(folder, trainer.precision, trainer.signals, state.global_step)

@@ -17,29 +17,15 @@ from hf_triaccel.integrations.plugin import (  # noqa: E402
 )
 
 
-def test_environment_fallbacks_apply_only_to_unset_fields(monkeypatch):
-    monkeypatch.setenv("HF_TRIACCEL_OPTIMIZER", "adafisher")
-    monkeypatch.setenv("HF_TRIACCEL_LR", "0.01")
-    plugin = TriAccelPlugin(lr=0.5)
-    assert plugin.optimizer == "adafisher"
-    assert plugin.lr == 0.5
-    assert TriAccelPlugin().lr == 0.01
-
-
-def test_environment_fallbacks_take_each_field_type(monkeypatch):
-    monkeypatch.setenv("HF_TRIACCEL_PRECISION", "0")
-    monkeypatch.setenv("HF_TRIACCEL_SIGNALS_EVERY", "50")
-    monkeypatch.setenv("HF_TRIACCEL_FP32_FRACTION", "0.1")
-    monkeypatch.setenv("HF_TRIACCEL_FP16_FRACTION", "0.2")
-    plugin = TriAccelPlugin()
-    assert plugin.precision is False
-    assert plugin.signals_every == 50
-    assert (plugin.fp32_fraction, plugin.fp16_fraction) == (0.1, 0.2)
-
-
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"optimizer": "sgd"}, "optimizer"), ({"ema": "x"}, "ema"), ({"impl": "fast"}, "impl")],
+    [
+        ({"optimizer": "sgd"}, "TriAccelPlugin.optimizer"),
+        ({"ema": "x"}, "TriAccelPlugin.ema"),
+        ({"impl": "fast"}, "TriAccelPlugin.impl"),
+        ({"fp16_fraction": 2.0}, "TriAccelPlugin.fp16_fraction"),
+        ({"signals_every": 0}, "TriAccelPlugin.signals_every"),
+    ],
 )
 def test_bad_plugin_values(kwargs, match):
     with pytest.raises(ValueError, match=match):

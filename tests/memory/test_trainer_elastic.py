@@ -1,5 +1,6 @@
 """TrainerElasticBatch wired into TriAccelTrainer the documented way (CPU): the same
-parameters as an uninterrupted run at the same batch, checkpoint state, telemetry; and
+parameters as an uninterrupted run at the same batch, checkpoint state (Trainer callback
+state), telemetry, out-of-memory errors in evaluation and in the optimizer step; and
 FisherStatisticsRollback keeping AdaFisher exact in a hand-written loop."""
 
 from __future__ import annotations
@@ -16,12 +17,22 @@ transformers = pytest.importorskip("transformers")
 
 from hf_triaccel import AdaFisherW  # noqa: E402
 from hf_triaccel.integrations.elastic import (  # noqa: E402
-    STATE_NAME,
+    LEGACY_STATE_NAME,
     FisherStatisticsRollback,
 )
 from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer  # noqa: E402
 from hf_triaccel.memory.elastic import ElasticBatchController  # noqa: E402
-from tests.memory.fakes import CountingProbe, OOMInBackward, oom  # noqa: E402
+from hf_triaccel.testing import CountingProbe, OOMInBackward, oom  # noqa: E402
+
+
+class Logs(transformers.TrainerCallback):
+    """The logs as the reporting callbacks receive them (telemetry included)."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.entries.append(dict(logs))
 
 
 class ElasticTrainer(TriAccelTrainer):
@@ -147,8 +158,12 @@ def test_trainer_matches_an_uninterrupted_run(tmp_path, case):
 
     armed = [True]  # the first backward fails once, after the top layers' gradients
     model = make_model(limit=2, armed=armed)
+    reported = Logs()
     trainer = ElasticTrainer(
-        model=model, args=make_args(tmp_path / "elastic", optim=optim), train_dataset=make_data()
+        model=model,
+        args=make_args(tmp_path / "elastic", optim=optim),
+        train_dataset=make_data(),
+        callbacks=[reported],
     )
     trainer.train()
     controller = trainer.elastic.controller
@@ -163,39 +178,127 @@ def test_trainer_matches_an_uninterrupted_run(tmp_path, case):
     logs = [e for e in trainer.state.log_history if "loss" in e]
     ref_logs = [e for e in plain.state.log_history if "loss" in e]
     assert [e["loss"] for e in logs] == pytest.approx([e["loss"] for e in ref_logs], rel=1e-5)
-    assert logs[-1]["micro_batch"] == 1 and logs[-1]["accumulation"] == 8
+    assert reported.entries[-2]["micro_batch"] == 1 and reported.entries[-2]["accumulation"] == 8
 
 
-def test_checkpoint_keeps_the_micro_batch(tmp_path):
-    common = dict(max_steps=4, save_strategy="steps", save_steps=2, optim="adamw_torch")
+def _saved_state(checkpoint) -> dict:
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return state["stateful_callbacks"]["ElasticBatchState"]["attributes"]["saved"]
+
+
+@pytest.mark.parametrize("restore_callbacks", [False, True])
+def test_checkpoint_keeps_the_micro_batch(tmp_path, restore_callbacks):
+    common = dict(
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        optim="adamw_torch",
+        restore_callback_states_from_checkpoint=restore_callbacks,
+    )
     first = ElasticTrainer(
         model=FaultyMLP(limit=3), args=make_args(tmp_path, **common), train_dataset=VectorSet()
     )
     first.train()
-    state = json.loads((tmp_path / "checkpoint-2" / STATE_NAME).read_text())
+    state = _saved_state(tmp_path / "checkpoint-2")
     assert state["micro_batch"] == 2 and state["steps"] == 2
     assert [e["reason"] for e in state["events"]] == ["oom", "oom"]
+    assert not (tmp_path / "checkpoint-2" / LEGACY_STATE_NAME).exists()
 
     resumed = ElasticTrainer(
-        model=FaultyMLP(), args=make_args(tmp_path, **common), train_dataset=VectorSet()
+        model=FaultyMLP(),
+        args=make_args(tmp_path, **common, output_dir=str(tmp_path / "b")),
+        train_dataset=VectorSet(),
     )
     assert resumed.elastic.controller.micro_batch == 8
-    resumed.train(resume_from_checkpoint=True)  # the last checkpoint: checkpoint-4
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert resumed.elastic.controller.micro_batch == 2
     assert resumed.elastic.controller.steps == 4
+    # the state exported at the next checkpoint is the live controller's
+    assert _saved_state(tmp_path / "b" / "checkpoint-4")["steps"] == 4
 
 
-def test_unsupported_settings(tmp_path):
+def test_auto_find_batch_size_turns_on_elastic_and_keeps_the_arguments(tmp_path):
     args = make_args(tmp_path, auto_find_batch_size=True)
-    assert args.elastic_batch and not args.auto_find_batch_size  # the flag now means elastic
     trainer = TriAccelTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenSet())
-    assert trainer.elastic is not None
+    assert trainer.elastic is not None and trainer.eval_pieces is not None
+    assert args.auto_find_batch_size and not args.elastic_batch  # as given
     with pytest.warns(UserWarning, match="gradient_accumulation_steps=2"):
         ElasticTrainer(
             model=tiny_gpt2(),
             args=make_args(tmp_path, gradient_accumulation_steps=2),
             train_dataset=TokenSet(),
         )
+
+
+class EvalLimitMLP(FaultyMLP):
+    """Out of memory in evaluation above ``limit`` samples; training never is."""
+
+    def forward(self, x):
+        if not self.training and x.shape[0] > self.limit:
+            raise oom()
+        return self.down(torch.tanh(self.up(x)))
+
+
+def test_evaluation_oom_splits_the_evaluation_batch_only(tmp_path):
+    args = make_args(tmp_path, optim="adamw_torch", per_device_eval_batch_size=8)
+    reference = TriAccelTrainer(
+        model=FaultyMLP(), args=args, train_dataset=VectorSet(), eval_dataset=VectorSet(16)
+    ).evaluate()
+    model = EvalLimitMLP(limit=3)
+    trainer = ElasticTrainer(
+        model=model,
+        args=args,
+        train_dataset=VectorSet(),
+        eval_dataset=VectorSet(16),
+        elastic={"probe": CountingProbe()},
+    )
+    metrics = trainer.evaluate()
+    assert trainer.eval_pieces.micro_batch == 2  # 8 -> 4 -> 2
+    assert trainer.elastic.controller.micro_batch == 8  # the training batch is untouched
+    assert trainer.elastic.probe.releases == 2
+    # a batch's loss is the size-weighted mean of its pieces' mean losses: the same
+    # number up to float32 rounding of a sum of at most 8 terms (8 * 2**-24 relative)
+    assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"], rel=8 * 2**-24)
+    trainer.train()
+    assert trainer.elastic.controller.events == []
+
+
+class OOMBeforeOptimizerStep(transformers.TrainerCallback):
+    """An out-of-memory error in the optimizer step while the batch is ``limit`` or more
+    (the Trainer calls this callback right before ``optimizer.step()``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.train_batch_size >= self.limit:
+            raise oom()
+
+
+def test_optimizer_step_oom_restarts_with_a_smaller_batch(tmp_path):
+    """With auto_find_batch_size, an OOM outside forward and backward goes to transformers'
+    own search, which restarts the loop with a 10% smaller batch (16 -> 14)."""
+    args = make_args(
+        tmp_path,
+        optim="adamw_torch",
+        per_device_train_batch_size=16,
+        auto_find_batch_size=True,
+        save_strategy="steps",
+        save_steps=1,
+    )
+    trainer = TriAccelTrainer(
+        model=FaultyMLP(),
+        args=args,
+        train_dataset=VectorSet(64),
+        callbacks=[OOMBeforeOptimizerStep(16)],
+    )
+    trainer.train()
+    assert trainer.state.train_batch_size == 14 and trainer.state.global_step == 3
+    assert args.per_device_train_batch_size == 16
+    # resumed, the run takes the batch the search found back from the checkpoint
+    resumed = TriAccelTrainer(model=FaultyMLP(), args=args, train_dataset=VectorSet(64))
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.train_batch_size == 14
 
 
 def test_activation_checkpointing_fallback_wraps_the_blocks(tmp_path):

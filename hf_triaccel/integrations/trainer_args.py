@@ -1,0 +1,300 @@
+"""``TriAccelArguments``: ``TrainingArguments`` with hf_triaccel's settings.
+
+AdaFisher's fields take their defaults, help and validation from
+:class:`~hf_triaccel.optim.config.AdaFisherConfig`. ``learning_rate`` defaults to ``None``,
+meaning "the chosen optimizer's own default": AdaFisher's for ``adafisher`` /
+``adafisherw``, transformers' for its optimizers. ``TrainingArguments`` cannot tell a
+learning rate left at its default (5e-5) from one set to that value, so ``None`` is the
+one unambiguous "not set"; the resolved value is reported by the trainer and never
+written back into the arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+from transformers.training_args import OptimizerNames
+
+from hf_triaccel.integrations.optimizers import OPTIMIZERS, adafisher_config
+from hf_triaccel.integrations.plugin import TriAccelPlugin
+from hf_triaccel.optim.config import DEFAULT_LR, AdaFisherConfig
+from hf_triaccel.precision import PrecisionPolicy
+
+_CONFIG = {f.name: f for f in dataclasses.fields(AdaFisherConfig)}
+# AdaFisherConfig field -> TriAccelArguments field
+CONFIG_NAMES = {
+    "lr": "learning_rate",
+    "beta": "adafisher_beta",
+    "damping": "adafisher_damping",
+    "gamma": "adafisher_gamma",
+    "update_every": "adafisher_update_every",
+    "weight_decay": "weight_decay",
+    "ema": "adafisher_ema",
+    "impl": "triaccel_impl",
+}
+STOCK_DEFAULT_LR: float = next(
+    f.default for f in dataclasses.fields(TrainingArguments) if f.name == "learning_rate"
+)
+"""transformers' default learning rate, the default of its own optimizers here too."""
+
+
+def _from_config(name: str) -> Any:
+    """A field with the default and help of ``AdaFisherConfig.<name>``."""
+    source = _CONFIG[name]
+    return field(default=source.default, metadata={"help": f"AdaFisher: {source.metadata['help']}"})
+
+
+def optim_name(args: TrainingArguments) -> str:
+    """``args.optim`` as a plain lower-case string (transformers keeps an enum)."""
+    return str(getattr(args.optim, "value", args.optim)).lower()
+
+
+def uses_adafisher(args: TrainingArguments) -> bool:
+    """Whether ``args.optim`` names one of hf_triaccel's optimizers."""
+    return optim_name(args) in OPTIMIZERS
+
+
+def resolve_learning_rate(args: TrainingArguments) -> float:
+    """The learning rate training uses: ``args.learning_rate`` when set, else the chosen
+    optimizer's default (AdaFisher's for ours, transformers' for the others).
+
+    Example:
+        >>> resolve_learning_rate(TriAccelArguments(output_dir="out"))
+        0.001
+        >>> resolve_learning_rate(TriAccelArguments(output_dir="out", optim="adamw_torch"))
+        5e-05
+    """
+    if args.learning_rate is not None:
+        return args.learning_rate
+    return DEFAULT_LR if uses_adafisher(args) else STOCK_DEFAULT_LR
+
+
+def setting(args: TrainingArguments, name: str) -> Any:
+    """A TriAccelArguments setting of ``args``, or its default for arguments of another
+    ``TrainingArguments`` class (a TRL config given to :class:`TriAccelMixin`)."""
+    if hasattr(args, name):
+        return getattr(args, name)
+    return TriAccelArguments.__dataclass_fields__[name].default
+
+
+def config_from_args(args: TrainingArguments, owner: str = "TriAccelArguments") -> AdaFisherConfig:
+    """The :class:`AdaFisherConfig` that ``args`` describe, learning rate resolved."""
+    values = {name: setting(args, field_name) for name, field_name in CONFIG_NAMES.items()}
+    values["lr"] = resolve_learning_rate(args)
+    return adafisher_config(owner, values, CONFIG_NAMES)
+
+
+@dataclass
+class TriAccelArguments(TrainingArguments):
+    """``TrainingArguments`` with hf_triaccel's settings (each a CLI flag through
+    ``HfArgumentParser``).
+
+    ``optim`` also accepts ``"adafisher"`` and ``"adafisherw"`` (the default).
+    ``learning_rate`` left unset (``None``) means the chosen optimizer's default;
+    ``weight_decay`` is the Trainer's own and applies, with every optimizer, to all
+    parameters but biases and normalisation weights.
+
+    Example:
+        >>> args = TriAccelArguments(output_dir="out")
+        >>> args.optim, args.learning_rate, resolve_learning_rate(args)
+        ('adafisherw', None, 0.001)
+        >>> TriAccelArguments(output_dir="out", optim="adamw_toch")
+        Traceback (most recent call last):
+        ...
+        ValueError: TriAccelArguments.optim='adamw_toch' is not a known optimizer; ...
+    """
+
+    optim: str = field(
+        default="adafisherw",
+        metadata={
+            "help": "Optimizer: adafisher, adafisherw (Fisher-preconditioned, hf_triaccel) "
+            "or any name transformers' `optim` accepts (e.g. adamw_torch_fused)."
+        },
+    )
+    learning_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": f"Initial learning rate. Default: the optimizer's own ({DEFAULT_LR} for "
+            f"adafisher / adafisherw, {STOCK_DEFAULT_LR} for transformers' optimizers)."
+        },
+    )
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave nan/inf losses out of the logged loss. Off by default here (on in "
+            "transformers): the check reads the loss back at every step, a GPU sync that "
+            "costs throughput on small models."
+        },
+    )
+    adafisher_beta: float = _from_config("beta")
+    adafisher_damping: float = _from_config("damping")
+    adafisher_gamma: float = _from_config("gamma")
+    adafisher_update_every: int | None = _from_config("update_every")
+    adafisher_ema: str = _from_config("ema")
+    triaccel_impl: str | None = _from_config("impl")
+    triaccel_precision: bool = field(
+        default=False,
+        metadata={
+            "help": "Per-module adaptive compute precision (fp32 / bf16 / fp16) steered by "
+            "the Fisher signals; needs optim adafisher or adafisherw."
+        },
+    )
+    triaccel_signals_every: int = field(
+        default=200,
+        metadata={"help": "Re-evaluate signals and precision every N optimizer steps."},
+    )
+    triaccel_fp32_fraction: float = field(
+        default=PrecisionPolicy.fp32_fraction,
+        metadata={
+            "help": "Share of the compute and of the activations kept in fp32, given to the "
+            "modules most sensitive per unit of that cost."
+        },
+    )
+    triaccel_fp16_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "Share of the compute and activations in fp16, least sensitive first (default "
+            "0.25 with --fp16, where a loss scaler exists, else 0)."
+        },
+    )
+    triaccel_lr_steering: bool = field(
+        default=False,
+        metadata={
+            "help": "Per-module step-size scale from the curvature signal, re-decided every "
+            "triaccel_signals_every steps (experimental); needs optim adafisher or adafisherw."
+        },
+    )
+    triaccel_report_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Folder that receives efficiency_report.json (and, with triaccel_precision, "
+            "precision_map.png and signals.json) when training ends. Default: none during "
+            "training (output_dir then holds exactly what transformers writes); "
+            "trainer.save_model() writes them beside the model."
+        },
+    )
+    elastic_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "Micro-batch that follows live GPU memory, with out-of-memory steps re-run "
+            "in smaller pieces and out-of-memory evaluation batches split; the effective "
+            "batch stays per_device_train_batch_size. --auto_find_batch_size turns it on too "
+            "(transformers' search then still restarts the loop on an out-of-memory error "
+            "raised outside forward and backward, such as in the optimizer step)."
+        },
+    )
+    elastic_min_micro_batch: int = field(
+        default=1, metadata={"help": "Elastic batch: smallest micro-batch before giving up."}
+    )
+    elastic_target_fraction: float = field(
+        default=0.9,
+        metadata={"help": "Elastic batch: peak memory target, as a share of what the GPU gives."},
+    )
+    device_data_augment: bool = field(
+        default=True,
+        metadata={
+            "help": "For an ImageTensors train_dataset (images kept on the device): random "
+            "crop with 4-pixel padding and horizontal flip, done per batch on the device."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        name = str(getattr(self.optim, "value", self.optim))
+        ours = name.lower() in OPTIMIZERS
+        if ours:
+            self.optim = name.lower()
+        elif name not in {o.value for o in OptimizerNames}:
+            choices = sorted(OPTIMIZERS) + sorted(o.value for o in OptimizerNames)
+            raise ValueError(
+                f"TriAccelArguments.optim={name!r} is not a known optimizer; choose one of "
+                f"{', '.join(choices)}"
+            )
+        self._check_fields(ours)
+        if not ours:
+            super().__post_init__()
+            return
+        # the parent validates optim against its own names: give it one for the check
+        chosen, self.optim = self.optim, OptimizerNames.ADAMW_TORCH.value
+        try:
+            super().__post_init__()
+        finally:
+            self.optim = chosen
+        if self.fsdp or self.deepspeed:
+            raise ValueError(
+                f"TriAccelArguments.optim={chosen!r} does not support "
+                f"{'fsdp' if self.fsdp else 'deepspeed'} yet: use DDP or a single device"
+            )
+
+    def _check_fields(self, ours: bool) -> None:
+        config_from_args(self)
+        checks = [
+            ("triaccel_signals_every", self.triaccel_signals_every >= 1, "needs >= 1"),
+            ("triaccel_fp32_fraction", 0.0 <= self.triaccel_fp32_fraction <= 1.0, "[0, 1]"),
+            (
+                "triaccel_fp16_fraction",
+                self.triaccel_fp16_fraction is None or 0.0 <= self.triaccel_fp16_fraction <= 1.0,
+                "must lie in [0, 1]",
+            ),
+            ("elastic_min_micro_batch", self.elastic_min_micro_batch >= 1, "needs >= 1"),
+            (
+                "elastic_target_fraction",
+                0.0 < self.elastic_target_fraction <= 1.0,
+                "must lie in (0, 1]",
+            ),
+            ("triaccel_precision", ours or not self.triaccel_precision, "needs adafisher(w)"),
+            ("triaccel_lr_steering", ours or not self.triaccel_lr_steering, "needs adafisher(w)"),
+            (
+                "learning_rate",
+                self.learning_rate is not None or not self.deepspeed,
+                "set it with deepspeed, whose configuration is filled from it",
+            ),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                if why == "needs adafisher(w)":
+                    why = (
+                        "needs optim adafisher or adafisherw (its signals come from the Fisher "
+                        f"factors), got optim={self.optim!r}"
+                    )
+                raise ValueError(f"TriAccelArguments.{name}={getattr(self, name)!r}: {why}")
+
+    @property
+    def uses_adafisher(self) -> bool:
+        """Whether ``optim`` names one of hf_triaccel's optimizers."""
+        return uses_adafisher(self)
+
+    @property
+    def uses_elastic_batch(self) -> bool:
+        """Whether the elastic micro-batch is on (``elastic_batch`` or
+        ``auto_find_batch_size``)."""
+        return bool(self.elastic_batch or self.auto_find_batch_size)
+
+    def to_plugin(self) -> TriAccelPlugin:
+        """The :class:`TriAccelPlugin` these arguments describe (learning rate resolved).
+
+        Example:
+            >>> TriAccelArguments(output_dir="out", adafisher_update_every=50).to_plugin()
+            ... # doctest: +ELLIPSIS
+            TriAccelPlugin(lr=0.001, beta=0.9, damping=0.001, gamma=0.8, update_every=50, ...)
+        """
+        if not self.uses_adafisher:
+            raise ValueError(f"optim={self.optim!r} is not an hf_triaccel optimizer")
+        return plugin_from_args(self)
+
+
+def plugin_from_args(args: TrainingArguments) -> TriAccelPlugin:
+    """The :class:`TriAccelPlugin` that ``args`` describe, learning rate resolved; the
+    settings ``args`` lacks (a TRL config) take their defaults."""
+    config = config_from_args(args)
+    return TriAccelPlugin(
+        **dataclasses.asdict(config),
+        optimizer=optim_name(args) if uses_adafisher(args) else "adafisherw",
+        precision=setting(args, "triaccel_precision"),
+        signals_every=setting(args, "triaccel_signals_every"),
+        fp32_fraction=setting(args, "triaccel_fp32_fraction"),
+        fp16_fraction=setting(args, "triaccel_fp16_fraction"),
+        lr_steering=setting(args, "triaccel_lr_steering"),
+    )

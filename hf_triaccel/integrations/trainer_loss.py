@@ -1,0 +1,138 @@
+"""How a batch reaches a model, and the loss of models that compute none.
+
+The Trainer calls ``model(**batch)`` and uses the loss the model returns; hf_triaccel's
+Trainer does the same for every model whose ``forward`` takes the whole batch by name
+(or takes ``**kwargs``). Any other model (timm's ``forward(x) -> logits``) gets the
+batch's inputs without the labels, by name when its ``forward`` names them all, else
+positionally, and its loss is the one it returns, else the Trainer's
+``compute_loss_func``, else cross-entropy on its logits (with the Trainer's label
+smoothing).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def forward_parameters(model: nn.Module) -> tuple[set[str], bool]:
+    """The names ``model.forward`` takes and whether it takes ``**kwargs``.
+
+    Example:
+        >>> forward_parameters(nn.Linear(2, 2))
+        ({'input'}, False)
+    """
+    params = inspect.signature(model.forward).parameters.values()
+    names = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def feeds_positionally(model: nn.Module, keys: Iterable[str], label_names: Iterable[str]) -> bool:
+    """Whether a batch with ``keys`` goes to ``model`` positionally: its ``forward`` takes
+    no ``**kwargs`` and names none of the batch's non-label entries.
+
+    Example:
+        >>> class Timm(nn.Module):
+        ...     def forward(self, x):
+        ...         return x
+        >>> feeds_positionally(Timm(), ["pixel_values", "labels"], ["labels"])
+        True
+        >>> class HFStyle(nn.Module):
+        ...     def forward(self, pixel_values, labels=None):
+        ...         return {"loss": pixel_values.sum()}
+        >>> feeds_positionally(HFStyle(), ["pixel_values", "labels"], ["labels"])
+        False
+    """
+    return takes_positionally(forward_parameters(model), keys, label_names)
+
+
+def takes_whole_batch(signature: tuple[set[str], bool], keys: Iterable[str]) -> bool:
+    """Whether ``forward`` (its :func:`forward_parameters`) takes every entry of a batch
+    with ``keys`` by name, labels included: the Trainer's ``model(**batch)`` works.
+
+    Example:
+        >>> takes_whole_batch(({"x"}, False), ["x", "labels"])
+        False
+        >>> takes_whole_batch(({"x", "labels"}, False), ["x", "labels"])
+        True
+    """
+    names, var_keyword = signature
+    return var_keyword or set(keys) <= names
+
+
+def takes_positionally(
+    signature: tuple[set[str], bool], keys: Iterable[str], label_names: Iterable[str]
+) -> bool:
+    """:func:`feeds_positionally` from a :func:`forward_parameters` result."""
+    names, var_keyword = signature
+    features = set(keys) - set(label_names)
+    return not var_keyword and bool(features) and not features & names
+
+
+def _loss_of(outputs: Any) -> torch.Tensor | None:
+    if isinstance(outputs, Mapping):  # dict and transformers' ModelOutput
+        return outputs.get("loss")
+    return None
+
+
+def _logits_of(outputs: Any) -> torch.Tensor:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        return outputs["logits"]
+    return outputs[0]
+
+
+def fallback_loss(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    label_names: list[str],
+    *,
+    label_smoothing: float = 0.0,
+    compute_loss_func: Any = None,
+    num_items_in_batch: Any = None,
+) -> tuple[torch.Tensor, Any]:
+    """Loss and outputs of a model that does not take the whole batch by name (see
+    :func:`takes_whole_batch`).
+
+    The non-label entries go to ``forward`` by name when it names them all, else
+    positionally in the batch's order. The model's own loss is used when its outputs
+    carry one; else ``compute_loss_func(outputs, labels,
+    num_items_in_batch=...)`` when given; else cross-entropy on the logits (the output
+    itself, its ``"logits"`` entry or its first element), computed in float32.
+
+    Returns:
+        ``(loss, outputs)``; a bare logits tensor comes back as ``{"logits": logits}``,
+        which the Trainer's prediction step reads as predictions.
+
+    Example:
+        >>> model = nn.Linear(3, 4)
+        >>> batch = {"x": torch.randn(5, 3), "labels": torch.tensor([0, 1, 2, 3, 0])}
+        >>> loss, out = fallback_loss(model, batch, ["labels"])
+        >>> torch.allclose(loss, F.cross_entropy(out["logits"], batch["labels"]))
+        True
+    """
+    features = {k: v for k, v in inputs.items() if k not in label_names}
+    labels = inputs.get(label_names[0]) if label_names else None
+    names, _ = forward_parameters(model)
+    outputs = model(**features) if set(features) <= names else model(*features.values())
+    loss = _loss_of(outputs)
+    if loss is None:
+        if compute_loss_func is not None:
+            loss = compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        else:
+            if labels is None:
+                raise ValueError(
+                    f"the model returned no loss and the batch has no {label_names!r} entry "
+                    f"for the cross-entropy fallback; batch keys: {sorted(inputs)}"
+                )
+            logits = _logits_of(outputs)
+            loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
+    if isinstance(outputs, torch.Tensor):
+        outputs = {"logits": outputs}
+    return loss, outputs

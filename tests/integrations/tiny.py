@@ -1,0 +1,100 @@
+"""Tiny models and datasets for the Trainer integration tests (CPU, a second or two each)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class ImageSet(Dataset):
+    """Random 16x16 images with fixed labels, in the Trainer's dict-of-tensors form."""
+
+    def __init__(self, n: int = 32, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 3, 16, 16, generator=gen)
+        self.y = torch.randint(0, 10, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.x[i], "labels": self.y[i]}
+
+
+class TokenSet(Dataset):
+    """Token sequences whose labels are the inputs (causal LM)."""
+
+    def __init__(self, n: int = 16, seq: int = 12, vocab: int = 64) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class VectorSet(Dataset):
+    """Vectors ``x`` with class labels."""
+
+    def __init__(self, n: int = 32, key: str = "x") -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.key = key
+        self.x = torch.randn(n, 6, generator=gen)
+        self.y = torch.randint(0, 3, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {self.key: self.x[i], "labels": self.y[i]}
+
+
+class MLP(nn.Module):
+    """``forward(x) -> logits``, timm's convention: no loss, no keyword inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.norm, self.down = nn.Linear(6, 12), nn.LayerNorm(12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.norm(self.up(x))))
+
+
+def tiny_timm():
+    import timm
+
+    torch.manual_seed(0)
+    return timm.create_model("test_resnet", num_classes=10)
+
+
+def tiny_gpt2(**config):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, **config
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def make_args(tmp_path, **kw):
+    from hf_triaccel.integrations.trainer_args import TriAccelArguments
+
+    defaults = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=2,
+        seed=0,
+        adafisher_update_every=2,
+        disable_tqdm=True,
+    )
+    defaults.update(kw)
+    return TriAccelArguments(**defaults)
