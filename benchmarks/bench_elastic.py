@@ -1,23 +1,17 @@
 """Memory-elastic micro-batch under a memory budget, and against ``auto_find_batch_size``.
 
-The CIFAR ResNet-18 trains under bf16 autocast with AdamW(fused), this process capped at
-``--budget-gib`` so that ``--effective-batch`` does not fit at once. The controller run:
-an ``ElasticBatchController`` with its defaults sizes the micro-batch in a hand-written
-loop; a tensor of this process then holds half the unallocated budget for 2 x
-``check_every`` steps, and is freed. The trainers: ``transformers.Trainer`` with
-``auto_find_batch_size`` and ``TriAccelTrainer`` with ``elastic_batch``, both asked for
-the effective batch per device. README.md says what each records; the acceptance checks
-of these figures are tests (tests/memory/test_elastic_acceptance.py, on a fake device).
+The CIFAR ResNet-18 under a per-process budget that ``--effective-batch`` exceeds: the
+controller sizing the micro-batch, then shrinking and growing around a competing
+allocation; then ``transformers.Trainer(auto_find_batch_size=True)`` against
+``TriAccelTrainer(elastic_batch=True)``. README.md: what each part records. The
+acceptance checks are tests (tests/memory/test_elastic_acceptance.py).
 
 Usage:
     python benchmarks/bench_elastic.py --out "$OUT"    # --budget-gib 3 --effective-batch 4096
     python benchmarks/bench_elastic.py --smoke --out /tmp/be   # CPU, a fake device
 """
 
-from __future__ import annotations
-
 import statistics
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -26,7 +20,7 @@ import harness
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PrinterCallback, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from hf_triaccel.data.images import ImageTensors
 from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer
@@ -39,12 +33,9 @@ STEPS_AFTER_GROW = 3  # steps run at the grown size, to show that it fits
 
 
 class Budget:
-    """This process's memory capped at ``nbytes``, and a competing allocation in it.
-
-    On CUDA, ``set_per_process_memory_fraction`` and the allocator's probe; on the CPU
-    (``fake``), a :class:`FakeMemoryDevice`: a quarter of the budget fixed, half the
-    effective batch peaking at 88% of it.
-    """
+    """This process's memory capped at ``nbytes`` (``set_per_process_memory_fraction``), and
+    a competing allocation in it; ``fake``: a :class:`FakeMemoryDevice`, a quarter of the
+    budget fixed and half the effective batch peaking at 88% of it."""
 
     def __init__(self, device: torch.device, nbytes: int, effective_batch: int, fake: bool):
         self.device, self.fake, self.taken, self.total = device, fake, 0, None
@@ -89,9 +80,7 @@ def controller_run(budget: Budget, data: ImageTensors, args: Any) -> dict[str, A
     E, device = args.effective_batch, args.device
     model = harness.build_model(size=args.size).to(device)
     budget.attach(model)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=harness.LR, weight_decay=harness.WEIGHT_DECAY, fused=True
-    )
+    opt = harness.make_optimizer("adamw", model)
     controller = ElasticBatchController(E, probe=budget.probe, grow_after=args.grow_after)
     take_at, release_at = SIZING_STEPS, SIZING_STEPS + 2 * controller.check_every
     # the last shrink comes by release_at; grow_after stable steps later, a check grows
@@ -124,28 +113,17 @@ def controller_run(budget: Budget, data: ImageTensors, args: Any) -> dict[str, A
             batch = {"pixel_values": images, "labels": labels, "index": ids}
             n_events = len(controller.events)
             ms = harness.wall_ms(lambda batch=batch: step(batch), device)
-            pieces, m = ledger.pieces[-1], max(ledger.pieces[-1])
+            pieces, kept, m = ledger.pieces[-1], ledger.steps[-1], max(ledger.pieces[-1])
+            phase = "sizing" if k < take_at else "competing" if k < release_at else "freed"
+            record = dict(step=k, phase=phase, micro_batch=m, accumulation=len(pieces), step_ms=ms)
+            record.update(pieces=list(pieces), samples=len(kept), reruns=ledger.reruns[-1])
+            # each sample id once implies samples == the effective batch
+            record["each_sample_once"] = sorted(kept) == ids.tolist()
+            record["peak_fraction"] = budget.probe.peak() / budget.budget
             predicted = controller.predicted_peak(m)
-            steps.append(
-                {
-                    "step": k,
-                    "phase": "sizing"
-                    if k < take_at
-                    else "competing"
-                    if k < release_at
-                    else "freed",
-                    "micro_batch": m,
-                    "accumulation": len(pieces),
-                    "pieces": list(pieces),
-                    "samples": len(ledger.steps[-1]),
-                    "each_sample_once": sorted(ledger.steps[-1]) == ids.tolist(),
-                    "reruns": ledger.reruns[-1],
-                    "peak_fraction": budget.probe.peak() / budget.budget,
-                    "predicted_fraction": None if predicted is None else predicted / budget.budget,
-                    "step_ms": ms,
-                    "events": [asdict(e) for e in controller.events[n_events:]],
-                }
-            )
+            record["predicted_fraction"] = predicted and predicted / budget.budget
+            record["events"] = [asdict(e) for e in controller.events[n_events:]]
+            steps.append(record)
             if k == take_at - 1:  # the memory model the sizing settled with
                 fit = {"slope": controller.sizing.slope, "base": controller.sizing.base}
             if k >= release_at and any(e["reason"] == "grow" for e in steps[-1]["events"]):
@@ -163,11 +141,11 @@ def controller_run(budget: Budget, data: ImageTensors, args: Any) -> dict[str, A
         "steps": steps,
         "events": events,
         "error": error,
-        "summary": summarize(steps, events, fit, controller.target_fraction, budget.budget),
+        "summary": summarize(steps, events, fit),
     }
 
 
-def summarize(steps: list, events: list, fit: dict, target: float, budget: int) -> dict:
+def summarize(steps: list, events: list, fit: dict) -> dict:
     """The figures BENCHMARKS.md reports from the controller run: steps to settle, the
     settled size and its peak; the shrink and grow steps and sizes; exactness."""
     settle = max((e["step"] for e in events if e["step"] < SIZING_STEPS), default=-1) + 1
@@ -175,57 +153,39 @@ def summarize(steps: list, events: list, fit: dict, target: float, budget: int) 
     phases = {s["step"]: s["phase"] for s in steps}
     shrinks = [e for e in events if phases.get(e["step"]) == "competing" and e["new"] < e["old"]]
     grows = [e for e in events if phases.get(e["step"]) == "freed" and e["reason"] == "grow"]
-    out: dict[str, Any] = {
-        "steps_to_settle": settle,
-        "micro_batch": settled[0]["micro_batch"] if settled else None,
-        "accumulation": settled[0]["accumulation"] if settled else None,
-        "peak_fraction": statistics.median([s["peak_fraction"] for s in settled] or [None]),
-        "shrink_steps": [e["step"] for e in shrinks],
-        "shrink_reasons": [e["reason"] for e in shrinks],
-        "micro_batch_held": min(
-            (s["micro_batch"] for s in steps if s["phase"] == "competing"), default=None
-        ),
-        "grow_steps": [e["step"] for e in grows],
-        "micro_batch_grown": grows[-1]["new"] if grows else None,
-        "reruns": sum(s["reruns"] for s in steps),
-        # each sample id once implies samples == the effective batch
-        "every_step_exact": all(s["each_sample_once"] for s in steps),
-    }
-    if fit.get("slope") and settled:
-        out.update(slope_bytes_per_sample=fit["slope"], base_bytes=fit["base"])
-        # the largest size the target allows, before the pieces are evened out, and a
-        # budget that would put the settled size's peak at 88%, for a rerun
-        out["cap"] = int((target * budget - fit["base"]) // fit["slope"])
-        peak = fit["base"] + fit["slope"] * out["micro_batch"]
-        out["budget_gib_for_88pct"] = peak / 0.88 / harness.GIB
+    first = settled[0] if settled else {}
+    out = {"steps_to_settle": settle, "micro_batch": first.get("micro_batch")}
+    out["accumulation"] = first.get("accumulation")
+    out["peak_fraction"] = statistics.median([s["peak_fraction"] for s in settled] or [None])
+    out.update(
+        shrink_steps=[e["step"] for e in shrinks], shrink_reasons=[e["reason"] for e in shrinks]
+    )
+    held = [s["micro_batch"] for s in steps if s["phase"] == "competing"]
+    out.update(micro_batch_held=min(held, default=None), grow_steps=[e["step"] for e in grows])
+    out["micro_batch_grown"] = grows[-1]["new"] if grows else None
+    out["reruns"] = sum(s["reruns"] for s in steps)
+    out["every_step_exact"] = all(s["each_sample_once"] for s in steps)
+    # the memory model the sizing settled with: base + slope * micro-batch bytes
+    out.update(slope_bytes_per_sample=fit.get("slope"), base_bytes=fit.get("base"))
     return out
 
 
 # -- auto_find_batch_size against the elastic trainer -----------------------------------------
 
 
-class WithLoss(nn.Module):
-    """A classifier whose forward returns the loss, as ``transformers.Trainer`` expects of
-    a model (TriAccelTrainer computes the same cross-entropy for a plain module)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits = self.model(pixel_values)
-        return {"loss": F.cross_entropy(logits.float(), labels), "logits": logits}
-
-
 class DeviceDataTrainer(Trainer):
-    """``transformers.Trainer`` fed as ``TriAccelTrainer`` feeds an ``ImageTensors``:
-    batches built on the device, of the batch size of the current attempt."""
+    """``transformers.Trainer`` fed as ``TriAccelTrainer`` feeds an ``ImageTensors`` (batches
+    built on the device, of the current attempt's size), with the cross-entropy that
+    ``TriAccelTrainer`` computes for a plain module."""
 
     def get_train_dataloader(self) -> DeviceImageDataLoader:
-        data, batch, args = self.train_dataset, self._train_batch_size, self.args
-        return DeviceImageDataLoader(
-            data, batch, device=args.device, seed=args.seed, augment=True, drop_last=True
-        )
+        kwargs = dict(device=self.args.device, seed=self.args.seed, augment=True, drop_last=True)
+        return DeviceImageDataLoader(self.train_dataset, self._train_batch_size, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logits = model(inputs["pixel_values"])
+        loss = F.cross_entropy(logits.float(), inputs["labels"])
+        return (loss, {"logits": logits}) if return_outputs else loss
 
 
 def trainer_run(mode: str, budget: Budget, data: ImageTensors, args: Any) -> dict[str, Any]:
@@ -237,35 +197,28 @@ def trainer_run(mode: str, budget: Budget, data: ImageTensors, args: Any) -> dic
     # what the controller run left allocated would shrink this run's room
     row["allocated_at_start_bytes"] = torch.cuda.memory_allocated(device) if budget.total else None
     model = trainer = controller = None
-    with harness.variant(row), tempfile.TemporaryDirectory() as tmp:
+    with harness.variant(row):
         model = harness.build_model(size=args.size)
         budget.attach(model)
-        common = dict(output_dir=tmp, per_device_train_batch_size=args.effective_batch, seed=0)
-        common.update(max_steps=args.steps, learning_rate=harness.LR, bf16=True)
-        common.update(weight_decay=harness.WEIGHT_DECAY, optim="adamw_torch_fused")
-        common.update(report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
+        common = dict(per_device_train_batch_size=args.effective_batch, max_steps=args.steps)
+        common.update(learning_rate=harness.LR, weight_decay=harness.WEIGHT_DECAY, seed=0)
+        common.update(optim="adamw_torch_fused", bf16=True, logging_strategy="no")
         # on in transformers, off in TriAccelArguments: the same for both here
         common.update(logging_nan_inf_filter=False, dataloader_drop_last=True)
-        common["use_cpu"] = device.type == "cpu"
-        if auto:
-            trainer_args = TrainingArguments(**common, auto_find_batch_size=True)
-            trainer = DeviceDataTrainer(
-                model=WithLoss(model), args=trainer_args, train_dataset=data
-            )
-        else:
-            trainer_args = TriAccelArguments(**common, elastic_batch=True)
-            trainer = TriAccelTrainer(model=model, args=trainer_args, train_dataset=data)
-            controller = trainer.elastic.controller
-            controller.probe = budget.probe  # the fake device on a CPU
-        trainer.remove_callback(PrinterCallback)
         # the steady pace is taken after the first step, without start-up and search
-        record = controller.metrics if controller else None
-        clock = harness.StepClock(
-            device, warmup=1, steps=args.steps - 1, every_step=True, record=record
-        )
-        trainer.add_callback(clock)
-        clock.start()
-        trainer.train()
+        clock = harness.StepClock(device, warmup=1, steps=args.steps - 1, every_step=True)
+        if auto:
+            cls, common["auto_find_batch_size"] = (DeviceDataTrainer, TrainingArguments), True
+        else:
+            cls, common["elastic_batch"] = (TriAccelTrainer, TriAccelArguments), True
+
+        def read_budget(trainer: Trainer) -> None:  # the fake device on a CPU
+            if getattr(trainer, "elastic", None) is not None:
+                trainer.elastic.controller.probe = budget.probe
+                clock.record = trainer.elastic.controller.metrics
+
+        trainer = harness.train(*cls, model, data, clock, read_budget, **common)
+        controller = None if auto else trainer.elastic.controller
         batch, ends = clock.attempts[-1], clock.ends  # the samples of an optimizer step
         last = (clock.records or [{"micro_batch": batch, "accumulation": 1}])[-1]
         row.update(attempt_batches=clock.attempts, oom_restarts=len(clock.attempts) - 1)
@@ -282,32 +235,19 @@ def trainer_run(mode: str, budget: Budget, data: ImageTensors, args: Any) -> dic
 
 
 def report(run: dict[str, Any], rows: list[dict[str, Any]], steps: int) -> str:
-    """The controller run's summary and notable steps, and the trainers, as markdown."""
-    sz, marks, fmt = run["summary"], set(run["schedule"].values()), harness.fmt
+    """The controller run's summary and the trainers, as markdown (every step is in the
+    JSON record)."""
+    sz, fmt = run["summary"], harness.fmt
     lines = [f"controller run stopped: {run['error']}"] if run["error"] else []
     lines.append(
         f"sizing: {sz.get('micro_batch')} x {sz.get('accumulation')} after "
         f"{sz.get('steps_to_settle')} step(s), peak {fmt(sz.get('peak_fraction'), '.1%')} of "
-        f"the budget (largest size the target allows: {sz.get('cap')}); shrink at steps "
+        f"the budget; shrink at steps "
         f"{sz.get('shrink_steps')} {sz.get('shrink_reasons')} to {sz.get('micro_batch_held')}; "
         f"grow at steps {sz.get('grow_steps')} to {sz.get('micro_batch_grown')}; "
         f"{sz.get('reruns')} re-run(s); each sample once in every step: "
         f"{'yes' if sz.get('every_step_exact') else 'NO'}"
     )
-    last = run["steps"][-1:]
-    shown = [
-        s for s in run["steps"] if s["step"] < SIZING_STEPS or s["events"] or s["step"] in marks
-    ]
-    columns = {
-        "step": lambda s: s["step"],
-        "phase": lambda s: s["phase"],
-        "micro-batch x accumulation": lambda s: f"{s['micro_batch']} x {s['accumulation']}",
-        "re-runs": lambda s: s["reruns"],
-        "peak / budget": lambda s: fmt(s["peak_fraction"], ".1%"),
-        "predicted / budget": lambda s: fmt(s["predicted_fraction"], ".1%"),
-        "step ms": lambda s: fmt(s["step_ms"], ".1f"),
-        "events": lambda s: "; ".join(f"{e['reason']} {e['old']}->{e['new']}" for e in s["events"]),
-    }
     trainers = {
         "trainer": lambda r: f"{r['trainer']} ({r['mode']})",
         "samples / optimizer step": lambda r: r.get("samples_per_step", "n/a"),
@@ -318,8 +258,7 @@ def report(run: dict[str, Any], rows: list[dict[str, Any]], steps: int) -> str:
         "samples/s after step 1": lambda r: fmt(r.get("samples_per_s"), ".0f"),
         "note": harness.note,
     }
-    shown += [s for s in last if s not in shown]
-    return "\n\n".join([*lines, harness.table(shown, columns), harness.table(rows, trainers)])
+    return "\n\n".join([*lines, harness.table(rows, trainers)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

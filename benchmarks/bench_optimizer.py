@@ -1,20 +1,16 @@
 """Optimizer-step time of AdaFisher / AdaFisherW against torch.optim.AdamW(fused=True).
 
-Only ``opt.step()`` runs, on the fp32 CIFAR ResNet-18 and ViT-B/16 with random gradients
-left in place. Default: device time, eager then captured in a CUDA graph, against AdamW
-and the HBM floor of the update; AdaFisher's factors folded once first, refreshed by no
-timed step. ``--host``: the step's host time, torch operators and Triton launches,
-AdaFisherW (Triton) against AdamW (on a CPU the launches are counted, not run, and the
-models narrowed). README.md: method and columns.
+``opt.step()`` alone on the fp32 CIFAR ResNet-18 and ViT-B/16, gradients in place: device
+time, eager and in a CUDA graph, against AdamW and the HBM floor; ``--host``: its host
+time, torch operators and Triton launches (on a CPU the launches are counted, not run,
+and the models narrowed). README.md: method and columns.
 
 Usage:
-    python benchmarks/bench_optimizer.py --out "$OUT"
-    python benchmarks/bench_optimizer.py --host --out "$OUT"
+    python benchmarks/bench_optimizer.py [--host] --out "$OUT"
     python benchmarks/bench_optimizer.py --smoke [--host] --out /tmp/bench   # CPU
 """
 
-from __future__ import annotations
-
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,15 +34,6 @@ OPTIONS = {
     "rep_ms": (float, 20.0, 1000.0, "timed budget per timing"),
     "step_reps": (int, 20, 2000, "--host: timed steps per optimizer"),
 }
-
-
-def copy_bandwidth(nbytes: int, args: Any) -> dict[str, Any]:
-    """Device-to-device copy bandwidth of an ``nbytes`` fp32 tensor, counting bytes read
-    plus bytes written (``gbytes_per_s``, 1e9 bytes/s)."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=args.device)
-    dst = torch.empty_like(src)
-    ms = harness.benchmark(lambda: dst.copy_(src), args.device, **args.timing)["median_ms"]
-    return {"bytes": nbytes, "median_ms": ms, "gbytes_per_s": 2 * nbytes / (ms * 1e-3) / 1e9}
 
 
 def ready_optimizer(kind: str, impl: str, model: torch.nn.Module, shape, lr) -> Any:
@@ -84,8 +71,7 @@ def capture_step(opt: torch.optim.Optimizer, device: torch.device) -> torch.cuda
 def run_model(name: str, variants: list, args: Any, mode: str) -> list:
     """Builds model ``name`` once and measures every ``(optimizer, impl)`` variant's step
     on it; ``mode``: ``"eager"``, ``"graph"`` or ``"host"``. Returns one row each."""
-    timm_name, full_shape, smoke_shape = MODELS[name]
-    device = args.device
+    (timm_name, full_shape, smoke_shape), device = MODELS[name], args.device
     classes = {"num_classes": 10} if mode == "host" else {}
     model = harness.build_model(timm_name, args.size, **classes).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -110,10 +96,10 @@ def run_model(name: str, variants: list, args: Any, mode: str) -> list:
                 harness.synchronize(device)
                 if torch.equal(before, params[0]):
                     raise RuntimeError("the captured step left the parameters unchanged")
-            if mode != "host":
-                row.update(harness.benchmark(step, device, **args.timing))
-            else:
+            if mode == "host":
                 row.update(host_costs(step, device, args.step_reps, args.counter))
+            else:
+                row.update(harness.benchmark(step, device, **args.timing))
         if isinstance(opt, AdaFisher):
             opt.collector.remove()
         opt = step = None  # the optimizer state and the graph's pool go before the next
@@ -144,7 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.timing = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms}
     if args.host:
         return host(args)
-    bandwidth = copy_bandwidth((1 << 22) if args.smoke else (1 << 31), args)
+    # device-to-device copy bandwidth: bytes read plus bytes written, 1e9 bytes/s
+    nbytes = (1 << 22) if args.smoke else (1 << 31)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=args.device)
+    copy = functools.partial(torch.empty_like(src).copy_, src)
+    ms = harness.benchmark(copy, args.device, **args.timing)["median_ms"]
+    bandwidth = {"bytes": nbytes, "median_ms": ms, "gbytes_per_s": 2 * nbytes / ms / 1e6}
+    del src, copy  # the models need the memory
     eager = [("AdamW", "fused")]
     eager += [(kind, impl) for impl in args.impls for kind in ("AdaFisher", "AdaFisherW")]
     rows = [r for name in MODELS for r in run_model(name, eager, args, "eager")]

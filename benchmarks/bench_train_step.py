@@ -1,19 +1,14 @@
 """Training step of the CIFAR ResNet-18: AdaFisherW against torch.optim.AdamW(fused=True).
 
-A step is zero_grad + forward under bf16 autocast + backward + ``opt.step()`` on one
-random batch; AdaFisherW per implementation refreshing its factors on every step and on
-none. Default: step time (CUDA events) and peak memory. ``--host``: the step's host work,
-AdaFisherW(triton) (torch operators, Triton launches, host time; on a CPU the launches
-are counted, not run, and the model narrowed). README.md: method and columns.
+zero_grad + forward under bf16 autocast + backward + ``opt.step()`` on one random batch,
+AdaFisherW refreshing its factors on every step and on none: step time and peak memory;
+``--host``: the step's host work (on a CPU the launches are counted, not run, and the
+model narrowed). README.md: method and columns.
 
 Usage:
-    python benchmarks/bench_train_step.py --out "$OUT"
-    python benchmarks/bench_train_step.py --channels-last --out "$OUT/channels_last"
-    python benchmarks/bench_train_step.py --host --out "$OUT"
+    python benchmarks/bench_train_step.py [--host] [--channels-last] --out "$OUT"
     python benchmarks/bench_train_step.py --smoke [--host] --out /tmp/bench   # CPU
 """
-
-from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
@@ -68,14 +63,13 @@ def prepare(row: dict, model: torch.nn.Module, args: Any) -> tuple[Any, Any]:
 
 def measure(row: dict, args: Any) -> None:
     """Step time and peak memory of one variant, on a fresh, identically seeded model."""
-    device, opt = args.device, None
+    device, cuda, opt = args.device, args.device.type == "cuda", None
     with harness.variant(row):
         model = harness.build_model(size=args.size).to(device, memory_format=args.memory_format)
         opt, step = prepare(row, model, args)
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         times = harness.time_steps(step, device, warmup=0, steps=args.steps)
-        cuda = device.type == "cuda"
         row.update(harness.summarize(times, "cuda events" if cuda else "time.perf_counter"))
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
     if isinstance(opt, AdaFisherW):
@@ -128,12 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     adamw = lambda r: r["optimizer"] == "AdamW"
     harness.add_ratio(rows, "host_ms" if args.host else "median_ms", "vs_adamw", adamw)
     harness.add_ratio(rows, "peak_bytes", "peak_vs_adamw", adamw)
-    shown = list(rows)
-    for on, off in zip(rows[1::2], rows[2::2], strict=True):  # refresh, then none, per impl
-        if args.host:  # what the refresh adds to a step
-            cost = {k: on[k] - off[k] for k in ("aten_ops", "launches", "host_ms")}
-            shown.append({**on, "refresh": "cost", **cost, "vs_adamw": None})
-    refreshes = {None: "-", True: "every step", False: "no", "cost": "every step - no"}
+    refreshes = {None: "-", True: "every step", False: "no"}
     fmt = harness.fmt
     columns = {
         "optimizer": lambda r: r["optimizer"],
@@ -150,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         columns["step ms (median)"] = lambda r: fmt(r["median_ms"])
         columns["p20-p80 ms"] = lambda r: f"{fmt(r.get('p20_ms'))}-{fmt(r.get('p80_ms'))}"
         columns["x AdamW(fused)"] = lambda r: fmt(r["vs_adamw"], ".2f", "x")
-        columns["peak GiB"] = lambda r: harness.gib(r.get("peak_bytes"))
+        columns["peak GiB"] = lambda r: harness.gib(r["peak_bytes"])
         columns["peak x AdamW(fused)"] = lambda r: fmt(r["peak_vs_adamw"], ".2f", "x")
     columns["note"] = harness.note
     print(
@@ -162,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = {"autocast": "bfloat16", "lr": harness.LR, "weight_decay": harness.WEIGHT_DECAY}
     payload = {"config": {**config, "cudnn_benchmark": cuda}, "results": rows}
     name = "bench_train_step_host" if args.host else "bench_train_step"
-    harness.finish(name, __file__, args, payload, harness.table(shown, columns))
+    harness.finish(name, __file__, args, payload, harness.table(rows, columns))
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 

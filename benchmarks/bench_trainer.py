@@ -1,23 +1,16 @@
 """Training throughput through ``TriAccelTrainer`` against a hand-written loop, and its scaling.
 
-The CIFAR ResNet-18, per-device batch 512, bf16 autocast on CUDA, fed from images held
-on the device (random crop and flip per batch there, as the recipes feed it). Variants:
-``loop_adamw_fused`` (a hand-written loop, ``AdamW(fused=True)``),
-``trainer_adamw_fused`` (``TriAccelTrainer`` with the same optimizer: its gap to the loop
-is the Trainer's overhead) and ``trainer_adafisherw``. Every variant does the same work
-per step and is timed over ``--steps`` steps after ``--warmup`` (README.md: what the
-step holds, timing, multi-GPU scaling).
+The CIFAR ResNet-18, per-device batch 512, bf16, images held and augmented on the
+device: ``loop_adamw_fused`` (a hand-written loop), ``trainer_adamw_fused`` (the Trainer
+with the same optimizer: the Trainer's overhead) and ``trainer_adafisherw``, the same
+work per step. README.md: the step, the timing, multi-GPU scaling.
 
 Usage:
     python benchmarks/bench_trainer.py --data /path/to/cifar10 --out "$OUT"
     accelerate launch --multi_gpu --num_processes 2 benchmarks/bench_trainer.py \\
         --variants trainer_adafisherw --data /path/to/cifar10 --out "$OUT/gpu2"
-    python benchmarks/bench_trainer.py --smoke --out /tmp/bench   # CPU, tiny model
 """
 
-from __future__ import annotations
-
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import PartialState
 from torch import nn
-from transformers import PrinterCallback, get_scheduler
+from transformers import get_scheduler
 
 from hf_triaccel.data.images import ImageTensors
 from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer
@@ -79,41 +72,28 @@ def run_trainer(name: str, data: ImageTensors, device: torch.device, args: Any) 
     lr, weight_decay = harness.HYPERPARAMETERS[VARIANTS[name][2]]
     model = harness.build_model(MODEL, args.size, num_classes=data.num_classes)
     clock = harness.StepClock(device, warmup=args.warmup, steps=args.steps)
-    with tempfile.TemporaryDirectory() as output_dir:
-        kwargs = dict(output_dir=output_dir, optim=VARIANTS[name][1], learning_rate=lr)
-        kwargs.update(weight_decay=weight_decay, lr_scheduler_type=LR_SCHEDULE, seed=args.seed)
-        kwargs.update(per_device_train_batch_size=args.batch_size, bf16=args.bf16)
-        kwargs.update(max_steps=args.warmup + args.steps, max_grad_norm=args.max_grad_norm)
-        kwargs.update(label_smoothing_factor=LABEL_SMOOTHING, triaccel_impl=args.impl)
-        kwargs.update(use_cpu=device.type == "cpu", device_data_augment=True, disable_tqdm=True)
-        # the efficiency report is all the Trainer writes here
-        kwargs.update(eval_strategy="no", save_strategy="no", report_to="none")
-        kwargs.update(logging_strategy="steps" if args.logging_steps else "no")
-        # on for a plain nn.Module, although every parameter here gets a gradient
-        kwargs.update(logging_steps=args.logging_steps, ddp_find_unused_parameters=False)
-        trainer_args = TriAccelArguments(**kwargs)
-        trainer = TriAccelTrainer(
-            model=model, args=trainer_args, train_dataset=data, callbacks=[clock]
-        )
-        # with the progress bar off the Trainer prints every log: keep stdout for the table
-        trainer.remove_callback(PrinterCallback)
-        trainer.train()
-        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        return {
-            "clock": clock,
-            "global_step": trainer.state.global_step,
-            "update_every": getattr(optimizer, "update_every", None),
-        }
+    kwargs = dict(optim=VARIANTS[name][1], learning_rate=lr, weight_decay=weight_decay)
+    kwargs.update(lr_scheduler_type=LR_SCHEDULE, seed=args.seed, bf16=args.bf16)
+    kwargs.update(per_device_train_batch_size=args.batch_size, triaccel_impl=args.impl)
+    kwargs.update(max_steps=args.warmup + args.steps, max_grad_norm=args.max_grad_norm)
+    kwargs.update(label_smoothing_factor=LABEL_SMOOTHING, device_data_augment=True)
+    # the efficiency report is all the Trainer writes here
+    kwargs.update(eval_strategy="no", logging_strategy="steps" if args.logging_steps else "no")
+    # on for a plain nn.Module, although every parameter here gets a gradient
+    kwargs.update(logging_steps=args.logging_steps, ddp_find_unused_parameters=False)
+    trainer = harness.train(TriAccelTrainer, TriAccelArguments, model, data, clock, **kwargs)
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    update_every = getattr(optimizer, "update_every", None)
+    return {"clock": clock, "global_step": trainer.state.global_step, "update_every": update_every}
 
 
 def measure(name: str, data: ImageTensors, device: torch.device, world: int, args: Any) -> dict:
     """Runs one variant; returns its row (samples/s, step time, peak memory, ...)."""
     shown, optim, _ = VARIANTS[name]
-    row: dict[str, Any] = {"variant": name, "optimizer": shown, "optim": optim, "status": "ok"}
+    row = {"variant": name, "optimizer": shown, "optim": optim, "status": "ok", "note": None}
     row.update(runner="loop" if optim is None else "trainer", warmup_steps=args.warmup)
-    for key in ("steps", "global_step", "seconds", "samples_per_second", "step_ms"):
-        row[key] = None
-    row.update(peak_bytes=None, update_every=None, note=None)
+    row.update(dict.fromkeys(("steps", "global_step", "seconds", "samples_per_second")))
+    row.update(step_ms=None, peak_bytes=None, update_every=None)
     if optim is None and world > 1:
         row["status"] = "skipped"
         row["note"] = f"the hand-written loop runs on one process only ({world} here)"
@@ -121,7 +101,10 @@ def measure(name: str, data: ImageTensors, device: torch.device, world: int, arg
     with harness.variant(row):
         result = (run_loop if optim is None else run_trainer)(name, data, device, args)
         clock: harness.StepClock = result["clock"]
-        row.update(steps=clock.timed_steps, global_step=result["global_step"])
+        row.update(
+            steps=min(max(clock.count - args.warmup, 0), args.steps),
+            global_step=result["global_step"],
+        )
         row.update(update_every=result.get("update_every"), peak_bytes=clock.peak_bytes)
         if clock.window is None:
             raise RuntimeError(
@@ -159,11 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--warmup, --steps and --batch-size need >= 1, --logging-steps >= 0")
     # under accelerate launch / torchrun: the process group, this process's rank and GPU
     state = PartialState(cpu=args.device.type == "cpu")
-    device, world = state.device, state.num_processes
-    args.device = device
-    args.bf16 = device.type == "cuda"
-    if args.bf16:
-        torch.backends.cudnn.benchmark = True  # same autotuned convolutions for every variant
+    device = args.device = state.device
+    world, args.bf16 = state.num_processes, device.type == "cuda"
+    torch.backends.cudnn.benchmark = args.bf16  # same autotuned convolutions for every variant
     n, main_process = 4 * world * args.batch_size, state.is_main_process
     data = harness.load_images(args.data, "train", smoke=args.smoke, n=n, progress=main_process)
     # every step of every variant carries exactly the per-device batch
@@ -196,12 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = dict(model=MODEL, train_images=len(data), world_size=world, autocast=args.bf16)
     config.update(global_batch_size=world * args.batch_size, lr_scheduler=LR_SCHEDULE)
     config.update(label_smoothing=LABEL_SMOOTHING, cudnn_benchmark=args.bf16)
-    config["augmentation"] = "random crop (4-pixel zero padding) and horizontal flip, on the device"
-    config["hyperparameters"] = {
-        name: harness.HYPERPARAMETERS[VARIANTS[name][2]] for name in VARIANTS
-    }
-    payload = {"config": config, "results": rows}
-    text = harness.table(rows, columns)
+    config["augmentation"] = "random crop (4-pixel zero padding) and flip, on the device"
+    config["hyperparameters"] = {k: harness.HYPERPARAMETERS[v[2]] for k, v in VARIANTS.items()}
+    payload, text = {"config": config, "results": rows}, harness.table(rows, columns)
     harness.finish("bench_trainer", __file__, args, payload, text, processes=world)
     return status
 

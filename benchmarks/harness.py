@@ -6,8 +6,6 @@ Every script measures its variants next to a baseline measured in the same proce
 printed table under its command line) with :func:`finish`.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import datetime
@@ -17,6 +15,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +26,7 @@ import numpy as np
 import timm
 import torch
 from torch import nn
-from transformers import TrainerCallback
+from transformers import PrinterCallback, TrainerCallback
 from transformers.trainer_utils import speed_metrics
 
 from hf_triaccel import AdaFisher, AdaFisherW
@@ -42,9 +41,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LR, WEIGHT_DECAY = 1e-3, 0.01
 NEVER = 10**9  # an update_every no benchmark reaches: only a first step refreshes factors
 GIB = 2**30
-# (learning rate, weight decay) per optimizer, measured on CIFAR-10 with the ResNet-18,
-# batch 512, 30 epochs, one-cycle (BENCHMARKS.md: the published AdaFisher lr of 1e-3
-# underfits there)
+# (learning rate, weight decay) per optimizer, measured on CIFAR-10 with the ResNet-18, 30
+# epochs (BENCHMARKS.md: the published AdaFisher lr of 1e-3 underfits there)
 HYPERPARAMETERS = {"adafisherw": (1e-2, 5e-4), "adafisher": (3e-3, 5e-4), "adamw": (3e-3, 5e-2)}
 
 
@@ -59,9 +57,7 @@ def base_parser(
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, on CPU, in seconds")
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     if impls:
-        parser.add_argument(
-            "--impls", help="AdaFisher implementations, comma-separated (default: by device)"
-        )
+        parser.add_argument("--impls", help="AdaFisher implementations, comma-separated")
     parser.set_defaults(smoke_defaults={})
     for name, (kind, smoke, full, help_) in (options or {}).items():
         flag = "--" + name.replace("_", "-")
@@ -96,12 +92,6 @@ def parse(
         args.size = "tiny"
         torch.set_num_threads(1)
     return args
-
-
-def settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The run's settings from its parsed arguments, for the record."""
-    skip = ("argv", "smoke_defaults", "out")
-    return {k: str(v) if k == "device" else v for k, v in vars(args).items() if k not in skip}
 
 
 def synchronize(device: torch.device) -> None:
@@ -180,8 +170,8 @@ class LaunchCounter:
         from hf_triaccel.kernels import stats, update
 
         self.count = 0
-        self._patched = [k for m in (stats, update) for k in vars(m).values()]
-        self._patched = [k for k in self._patched if isinstance(k, KernelInterface)]
+        kernels = [k for m in (stats, update) for k in vars(m).values()]
+        self._patched = [k for k in kernels if isinstance(k, KernelInterface)]
         for kernel in self._patched:
             run = kernel.run
 
@@ -209,10 +199,10 @@ def count_aten_ops(fn: Callable[[], Any]) -> int:
 class StepClock(TrainerCallback):
     """Times training steps from a loop (:meth:`step_end`) or a Trainer (callback).
 
-    The window runs from the end of step ``warmup`` (from :meth:`start` when it is 0) to
-    the end of step ``warmup + steps``, the device synchronised at its edges only, or at
-    every step end with ``every_step`` (``ends``: seconds since :meth:`start`). Over it:
-    ``window`` (``speed_metrics``: ``timed_runtime``, ``timed_samples_per_second``) and
+    The window runs from the end of step ``warmup`` (>= 1) to the end of step ``warmup +
+    steps``, the device synchronised at its edges only, or at every step end with
+    ``every_step`` (``ends``: seconds since :meth:`start`). Over it: ``window``
+    (``speed_metrics``: ``timed_runtime``, ``timed_samples_per_second``) and
     ``peak_bytes`` on CUDA. ``record`` is called at each step end into ``records``. A
     Trainer restarting training (``auto_find_batch_size``) starts the count over;
     ``attempts`` holds each attempt's per-device batch.
@@ -231,19 +221,11 @@ class StepClock(TrainerCallback):
         """Marks the start of training."""
         synchronize(self.device)
         self._t0 = time.time()
-        if self.warmup == 0:
-            self._open()
-
-    def _open(self) -> None:
-        self._window_start, self.samples = time.time(), 0
-        if self.device.type == "cuda":
-            # the peak of the steady state, not of the warm-up's autotuning workspaces
-            torch.cuda.reset_peak_memory_stats(self.device)
 
     def step_end(self, samples: int) -> None:
         """Counts a finished step of ``samples`` samples over all processes."""
         self.count += 1
-        end = self.count == self.warmup + self.steps
+        cuda, end = self.device.type == "cuda", self.count == self.warmup + self.steps
         if self.every_step or end or self.count == self.warmup:
             synchronize(self.device)
         if self.every_step:
@@ -251,18 +233,14 @@ class StepClock(TrainerCallback):
         if self.record is not None:
             self.records.append(self.record())
         if self.count == self.warmup:
-            self._open()
+            self._window_start, self.samples = time.time(), 0
+            if cuda:  # the peak of the steady state, not of the warm-up's autotuning
+                torch.cuda.reset_peak_memory_stats(self.device)
         elif self.count > self.warmup:
             self.samples += samples
         if end:
             self.window = speed_metrics("timed", self._window_start, self.samples, self.steps)
-            if self.device.type == "cuda":
-                self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
-
-    @property
-    def timed_steps(self) -> int:
-        """Steps finished inside the timed window so far."""
-        return min(max(self.count - self.warmup, 0), self.steps)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) if cuda else None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.attempts.append(state.train_batch_size)
@@ -336,6 +314,24 @@ def image_batches(data: ImageTensors, batch_size: int, **kwargs: Any) -> GPUBatc
     return GPUBatchLoader(data, batch_size, **kwargs)
 
 
+def train(trainer_cls, arguments_cls, model, data, clock: StepClock, before=None, **kwargs):
+    """Trains ``model`` on ``data`` with a Trainer of ``trainer_cls`` and arguments of
+    ``arguments_cls`` (``kwargs``; no checkpoints, reports or progress bar), ``clock`` as
+    a callback started with ``train()``, ``before(trainer)`` called first. Returns it."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        kwargs.update(output_dir=output_dir, use_cpu=clock.device.type == "cpu")
+        kwargs.update(save_strategy="no", report_to="none", disable_tqdm=True)
+        trainer = trainer_cls(model=model, args=arguments_cls(**kwargs), train_dataset=data)
+        # with the progress bar off the Trainer prints every log: keep stdout for the table
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(clock)
+        if before is not None:
+            before(trainer)
+        clock.start()
+        trainer.train()
+    return trainer
+
+
 def endless(loader: GPUBatchLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Batches epoch after epoch (each ``iter`` of the loader starts the next epoch)."""
     while True:
@@ -352,14 +348,10 @@ def environment(script: str, argv: Sequence[str], device: torch.device) -> dict[
         commit = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {
-        **package_environment(),
-        "device_type": device.type,
-        "cuda": torch.version.cuda,
-        "git_commit": commit or None,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", command, *argv]),
-    }
+    env = {**package_environment(), "device_type": device.type, "cuda": torch.version.cuda}
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    env.update(git_commit=commit or None, date_utc=now)
+    return {**env, "command": shlex.join(["python", command, *argv])}
 
 
 def report_error(exc: BaseException) -> str:
@@ -385,7 +377,7 @@ def fmt(value: float | None, spec: str = ".3f", suffix: str = "") -> str:
 
 def gib(nbytes: float | None) -> str:
     """Bytes as GiB for a table cell."""
-    return fmt(nbytes / GIB if nbytes else None, ".2f")
+    return fmt(nbytes and nbytes / GIB, ".2f")
 
 
 def add_ratio(rows: list[dict], key: str, out: str, base: Callable[[dict], bool]) -> None:
@@ -410,7 +402,7 @@ def note(row: dict[str, Any]) -> str:
 
 def finish(name: str, script: str, args, payload: dict, text: str, processes: int = 1) -> dict:
     """Prints the device and ``text``, and writes ``<name>.json`` (``payload`` with the
-    :func:`environment` of ``script`` and the :func:`settings` in its ``config``) and
+    :func:`environment` of ``script`` and the arguments in its ``config``) and
     ``<name>.md`` (``text`` under the command line) into ``--out``, else ``$OUT``, else
     the current directory. Returns the environment record."""
     env = environment(script, args.argv, args.device)
@@ -420,7 +412,9 @@ def finish(name: str, script: str, args, payload: dict, text: str, processes: in
     directory = Path(args.out or os.environ.get("OUT") or ".")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
-    payload = {"env": env, **payload, "config": {**settings(args), **payload.get("config", {})}}
+    skip = ("argv", "smoke_defaults", "out")  # the settings: what the arguments chose
+    config = {k: str(v) if k == "device" else v for k, v in vars(args).items() if k not in skip}
+    payload = {"env": env, **payload, "config": {**config, **payload.get("config", {})}}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     header = f"`{env['command']}` on {env['device']} ({env['date_utc']})\n\n"
     (directory / f"{name}.md").write_text(header + text + "\n")

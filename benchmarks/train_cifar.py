@@ -14,8 +14,6 @@ Usage:
         --precision adaptive --seed 1 --precision_map map.png
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import math
@@ -78,24 +76,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def autocast(device: torch.device, precision: str) -> torch.autocast:
-    """The region training and test steps run in: bf16 autocast, off for ``fp32``. Under
-    ``adaptive`` the controller's hooks open each decided module's own region inside it."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision != "fp32")
-
-
 def train(
     model: nn.Module, optimizer: torch.optim.Optimizer, loader: GPUBatchLoader, args: Any
 ) -> tuple[int, list[dict[str, float]]]:
-    """Trains ``args.total_steps`` steps, one-cycle schedule peaking at ``args.lr``.
-
-    Loss and accuracy sums stay on the device; the one read-back per epoch also makes each
-    epoch's ``seconds`` cover all of its device work.
-
-    Returns:
-        The steps taken and, per epoch, ``train_loss``, ``train_accuracy``, ``samples``
-        and ``seconds``.
-    """
+    """Trains ``args.total_steps`` steps (one-cycle schedule peaking at ``args.lr``); returns
+    the steps and, per epoch, loss, accuracy, samples and seconds. Loss and accuracy sums
+    stay on the device: the one read-back per epoch makes ``seconds`` cover its work."""
     # AdaFisher has no Adam-style betas to cycle; keep momentum fixed for every optimizer
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=args.lr, total_steps=args.total_steps, cycle_momentum=False
@@ -109,7 +95,7 @@ def train(
         correct = torch.zeros((), dtype=torch.long, device=device)
         seen = 0
         for images, labels in loader:
-            with autocast(device, args.precision):
+            with torch.autocast(device.type, torch.bfloat16, enabled=args.precision != "fp32"):
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
             loss.backward()
@@ -122,18 +108,12 @@ def train(
             step += 1
             if step == args.total_steps:
                 break
+        seconds = time.perf_counter() - start
         loss, accuracy = loss_sum.item() / seen, correct.item() / seen
-        epochs.append(
-            {
-                "epoch": epoch + 1,
-                "train_loss": loss,
-                "train_accuracy": accuracy,
-                "samples": seen,
-                "seconds": time.perf_counter() - start,
-            }
-        )
+        epochs.append(dict(epoch=epoch + 1, train_loss=loss, train_accuracy=accuracy))
+        epochs[-1].update(samples=seen, seconds=seconds)
         line = f"epoch {epoch + 1}: train loss {loss:.4f}, train accuracy {100 * accuracy:.2f}%"
-        print(f"{line}, {epochs[-1]['seconds']:.1f} s", file=sys.stderr)
+        print(f"{line}, {seconds:.1f} s", file=sys.stderr)
     return step, epochs
 
 
@@ -143,7 +123,8 @@ def evaluate(model: nn.Module, loader: GPUBatchLoader, precision: str) -> float:
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=loader.data.device)
     for images, labels in loader:
-        with autocast(images.device, precision):
+        # adaptive: the controller's hooks open each decided module's own region inside
+        with torch.autocast(images.device.type, torch.bfloat16, enabled=precision != "fp32"):
             correct += (model(images).argmax(dim=1) == labels).sum()
     model.train()
     return correct.item() / len(loader.data)
@@ -170,8 +151,7 @@ def adaptive_record(controllers: tuple | None, precision_map: Path | None) -> di
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Decodes the data, trains, evaluates; returns the result record."""
-    device = args.device
-    cuda = device.type == "cuda"
+    device, cuda = args.device, args.device.type == "cuda"
     torch.backends.cudnn.benchmark = True
 
     start = time.perf_counter()
@@ -183,13 +163,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     train_loader = harness.image_batches(train_data, args.batch_size, seed=args.seed, **common)
     test_loader = GPUBatchLoader(test_data, 1024, **common)
 
-    size = "narrow" if args.smoke else "full"
-    model = harness.build_model(
-        args.model, size, seed=args.seed, num_classes=train_data.num_classes
-    )
-    model = model.to(device)
-    if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    size, classes = "narrow" if args.smoke else "full", train_data.num_classes
+    model = harness.build_model(args.model, size, seed=args.seed, num_classes=classes)
+    memory_format = torch.channels_last if args.channels_last else torch.preserve_format
+    model = model.to(device, memory_format=memory_format)
     optimizer = harness.make_optimizer(
         args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay, impl=args.impl
     )
@@ -223,31 +200,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # the first epoch carries cuDNN autotuning and warm-up: leave it out when there are more
     timed = epochs[1:] if len(epochs) > 1 else epochs
     images_per_second = sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed)
-    settings = ("optimizer", "precision", "model", "lr", "weight_decay", "label_smoothing")
-    settings += ("impl", "batch_size", "channels_last", "seed", "data", "smoke")
-    return {
-        **{name: getattr(args, name) for name in settings},
-        "epochs": len(epochs),
-        "steps": step,
-        "train_images": len(train_data),
-        "test_images": len(test_data),
-        "test_accuracy": test_accuracy,
-        "final_train_loss": epochs[-1]["train_loss"],
-        "final_train_accuracy": epochs[-1]["train_accuracy"],
-        "train_seconds": train_seconds,
-        "epoch_seconds": [e["seconds"] for e in epochs],
-        "images_per_second": images_per_second,
-        "decode_seconds": decode_seconds,
-        "eval_seconds": eval_seconds,
-        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-        "adaptive_precision": adaptive_record(controllers, args.precision_map),
-        "lr_steering_scales": None if steering is None else steering.scales,
-        # fp32 matmuls and convolutions run in TF32 where these are on (torch's defaults
-        # are left as they are: off for matmuls, on for cuDNN convolutions)
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        "env": harness.environment(__file__, args.argv, device),
-    }
+    names = ("optimizer", "precision", "model", "lr", "weight_decay", "label_smoothing", "impl")
+    names += ("batch_size", "channels_last", "seed", "data", "smoke")
+    record = {name: getattr(args, name) for name in names}
+    record.update(epochs=len(epochs), steps=step, train_images=len(train_data))
+    record.update(test_images=len(test_data), test_accuracy=test_accuracy)
+    record.update(final_train_loss=epochs[-1]["train_loss"], train_seconds=train_seconds)
+    record.update(final_train_accuracy=epochs[-1]["train_accuracy"])
+    record.update(epoch_seconds=[e["seconds"] for e in epochs], images_per_second=images_per_second)
+    record.update(decode_seconds=decode_seconds, eval_seconds=eval_seconds)
+    record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    record["adaptive_precision"] = adaptive_record(controllers, args.precision_map)
+    record["lr_steering_scales"] = None if steering is None else steering.scales
+    # fp32 matmuls and convolutions run in TF32 where these are on (torch's defaults are
+    # left as they are: off for matmuls, on for cuDNN convolutions)
+    record["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+    record["tf32_cudnn"] = torch.backends.cudnn.allow_tf32
+    return {**record, "env": harness.environment(__file__, args.argv, device)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
