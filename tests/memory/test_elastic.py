@@ -326,13 +326,10 @@ def test_no_sync_for_every_piece_but_the_last():
 # -- sizing from a memory probe --------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("effective", "capacity", "base", "slope"),
-    [(256, 3000.0, 1000.0, 10.0), (100, 10_000.0, 700.0, 233.0), (64, 1e9, 10.0, 1.0)],
-)
-def test_probe_picks_the_largest_size_under_target(effective, capacity, base, slope):
-    device = FakeMemoryDevice(capacity, base, slope)
-    ctrl = ElasticBatchController(effective, probe=device)
+def _probe_run(device: FakeMemoryDevice, effective: int = 64, **kw):
+    """A controller on ``device`` and a step of ``effective`` samples; ``seen``: the sizes
+    of the pieces run."""
+    ctrl = ElasticBatchController(effective, probe=device, **kw)
     model = make_mlp()
     seen = []
 
@@ -341,7 +338,21 @@ def test_probe_picks_the_largest_size_under_target(effective, capacity, base, sl
         seen.append(len(piece))
         return model(piece).sum() * 0
 
-    ctrl.run_step(torch.randn(effective, 6, dtype=torch.float64), loss_fn, model=model)
+    def step():
+        ctrl.run_step(torch.randn(effective, 6, dtype=torch.float64), loss_fn, model=model)
+        model.zero_grad()
+
+    return ctrl, step, seen
+
+
+@pytest.mark.parametrize(
+    ("effective", "capacity", "base", "slope"),
+    [(256, 3000.0, 1000.0, 10.0), (100, 10_000.0, 700.0, 233.0), (64, 1e9, 10.0, 1.0)],
+)
+def test_probe_picks_the_largest_size_under_target(effective, capacity, base, slope):
+    device = FakeMemoryDevice(capacity, base, slope)
+    ctrl, step, seen = _probe_run(device, effective)
+    step()
     probe_events = [e for e in ctrl.events if e.reason == "probe"]
     assert len(probe_events) <= 1
     m = ctrl.micro_batch
@@ -357,16 +368,8 @@ def test_probe_picks_the_largest_size_under_target(effective, capacity, base, sl
 
 def test_probe_pieces_that_do_not_fit_shrink_and_probe_again():
     device = FakeMemoryDevice(capacity=150.0, base=100.0, slope=10.0)
-    ctrl = ElasticBatchController(64, probe=device)
-    model = make_mlp()
-    seen = []
-
-    def loss_fn(piece):
-        device.use(len(piece))
-        seen.append(len(piece))
-        return model(piece).sum() * 0
-
-    ctrl.run_step(torch.randn(64, 6, dtype=torch.float64), loss_fn, model=model)
+    ctrl, step, seen = _probe_run(device)
+    step()
     # the first probe piece (64 // 8 = 8) fails; probing again from m = 4: 1, 1, 2;
     # then floor((135 - 100) / 10) = 3 samples per piece
     assert [(e.old, e.new, e.reason) for e in ctrl.events] == [(64, 4, "oom"), (4, 3, "probe")]
@@ -374,24 +377,9 @@ def test_probe_pieces_that_do_not_fit_shrink_and_probe_again():
     assert device.ooms == 1
 
 
-def _probe_run(device: FakeMemoryDevice, **kw):
-    ctrl = ElasticBatchController(64, probe=device, **kw)
-    model = make_mlp()
-
-    def loss_fn(piece):
-        device.use(len(piece))
-        return model(piece).sum() * 0
-
-    def step():
-        ctrl.run_step(torch.randn(64, 6, dtype=torch.float64), loss_fn, model=model)
-        model.zero_grad()
-
-    return ctrl, step
-
-
 def test_shrinks_on_low_memory_then_grows_back():
     device = FakeMemoryDevice(capacity=1000.0, base=100.0, slope=10.0)
-    ctrl, step = _probe_run(device, check_every=5, grow_after=10)
+    ctrl, step, _ = _probe_run(device, check_every=5, grow_after=10)
     step()
     assert ctrl.micro_batch == 64  # (900 - 100) / 10 = 80 >= 64
     device.capacity = 760.0  # another process takes memory: 64 still fits, not in target
@@ -411,7 +399,7 @@ def test_failed_size_is_not_proposed_again_until_memory_returns():
     """An OOM the peaks did not predict (fragmentation): the measured model still says
     64 fits, but 64 is not tried again until more memory is available than then."""
     device = FakeMemoryDevice(capacity=1000.0, base=100.0, slope=10.0)
-    ctrl, step = _probe_run(device, check_every=1, grow_after=0)
+    ctrl, step, _ = _probe_run(device, check_every=1, grow_after=0)
     step()
     assert ctrl.micro_batch == 64
     device.hidden = 300.0
@@ -429,7 +417,7 @@ def test_grows_back_when_a_tensor_of_its_own_is_freed_under_a_budget():
     """Under a budget, memory freed by this process never shows as more available: the
     failed size comes back once the process holds less than at the OOM."""
     device = FakeMemoryDevice(capacity=1000.0, base=100.0, slope=10.0)
-    ctrl, step = _probe_run(device, check_every=1, grow_after=3)
+    ctrl, step, _ = _probe_run(device, check_every=1, grow_after=3)
     step()
     assert ctrl.micro_batch == 64
     device.base += 300.0  # a tensor of this process: allocated and in every peak
