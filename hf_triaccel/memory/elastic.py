@@ -120,13 +120,9 @@ class ElasticBatchController:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"ElasticBatchController {name}: {why}")
-        self.effective_batch = effective_batch
-        self.min_micro_batch = min_micro_batch
-        self.max_micro_batch = max_micro_batch
-        self.target_fraction = target_fraction
-        self.check_every = check_every
-        self.grow_after = grow_after
-        self.probe = default_probe() if probe is None else probe
+        self.effective_batch, self.min_micro_batch, self.max_micro_batch = E, low, high
+        self.target_fraction, self.check_every = target_fraction, check_every
+        self.grow_after, self.probe = grow_after, default_probe() if probe is None else probe
         self.enable_activation_checkpointing = enable_activation_checkpointing
         self.process_group = process_group
         self.sizing = SizingPolicy(

@@ -8,8 +8,11 @@ package's own layers below ``integrations``.
   out-of-memory errors past its capacity, out-of-memory injection in a backward, a
   probe that counts releases, and a step rollback that records which samples each step
   kept.
+- :mod:`hf_triaccel.testing.distributed`: a function run in several CPU processes joined
+  by a gloo process group.
 """
 
+from hf_triaccel.testing.distributed import run_distributed
 from hf_triaccel.testing.memory import (
     CountingProbe,
     FakeMemoryDevice,
@@ -18,4 +21,11 @@ from hf_triaccel.testing.memory import (
     oom,
 )
 
-__all__ = ["CountingProbe", "FakeMemoryDevice", "OOMInBackward", "SampleLedger", "oom"]
+__all__ = [
+    "CountingProbe",
+    "FakeMemoryDevice",
+    "OOMInBackward",
+    "SampleLedger",
+    "oom",
+    "run_distributed",
+]

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from hf_triaccel.memory.elastic import ElasticBatchController
 from hf_triaccel.memory.probe import NullProbe
-from hf_triaccel.testing import oom
+from hf_triaccel.testing import oom, run_distributed
 
 GLOBAL_BATCH = 16
 STEPS = 4
@@ -49,41 +47,34 @@ def make_data():
     ]
 
 
-def _worker(rank: int, world: int, init_file: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        agreed = ElasticBatchController(16, probe=NullProbe()).agree([12, 5][rank])
-        model = Model()
-        ddp = nn.parallel.DistributedDataParallel(model)
-        share = GLOBAL_BATCH // world
-        ctrl = ElasticBatchController(share, probe=NullProbe(), check_every=1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        for step, (x, y) in enumerate(make_data()):
-            if rank == 1:
-                model.limit = 4 if step == 0 else share  # rank 1 shrinks alone at step 0
-                model.fail_next = step == 2  # first forward of step 2 fails once
-            batch = {
-                "x": x[rank * share : (rank + 1) * share],
-                "y": y[rank * share : (rank + 1) * share],
-            }
-            ctrl.run_step(batch, lambda p: F.cross_entropy(ddp(p["x"]), p["y"]), model=ddp)
-            opt.step()
-            opt.zero_grad()
-        result = {
-            "agreed": agreed,
-            "events": [(e.step, e.old, e.new, e.reason) for e in ctrl.events],
-            "params": [p.detach().clone() for p in model.parameters()],
+def _worker(rank: int, world: int) -> dict:
+    agreed = ElasticBatchController(16, probe=NullProbe()).agree([12, 5][rank])
+    model = Model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    share = GLOBAL_BATCH // world
+    ctrl = ElasticBatchController(share, probe=NullProbe(), check_every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(make_data()):
+        if rank == 1:
+            model.limit = 4 if step == 0 else share  # rank 1 shrinks alone at step 0
+            model.fail_next = step == 2  # first forward of step 2 fails once
+        batch = {
+            "x": x[rank * share : (rank + 1) * share],
+            "y": y[rank * share : (rank + 1) * share],
         }
-        torch.save(result, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+        ctrl.run_step(batch, lambda p: F.cross_entropy(ddp(p["x"]), p["y"]), model=ddp)
+        opt.step()
+        opt.zero_grad()
+    return {
+        "agreed": agreed,
+        "events": [(e.step, e.old, e.new, e.reason) for e in ctrl.events],
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
 
 
 @pytest.mark.timeout(120)
 def test_two_ranks_agree_and_match_one_process(tmp_path):
-    out = str(tmp_path / "result")
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
-    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    ranks = run_distributed(_worker, 2, tmp_path)
     assert [r["agreed"] for r in ranks] == [5, 5]
     # rank 1 halves on its OOMs; rank 0 follows at the check that ends the step
     assert ranks[1]["events"] == [(0, 8, 4, "oom"), (2, 4, 2, "oom")]
