@@ -1,4 +1,4 @@
-r"""CIFAR-10 accuracy and training time of one optimizer: timm ``resnet18_cifar``, batch 512.
+"""CIFAR-10 accuracy and training time of one optimizer: timm ``resnet18_cifar``, batch 512.
 
 The acceptance comparison: one run per optimizer on the same GPU, their JSON lines
 compared. One-cycle schedule, label smoothing 0.1, data decoded once and augmented on the
@@ -10,8 +10,7 @@ narrow model of the same structure, random 16x16 images, on the CPU.
 
 Usage:
     python benchmarks/train_cifar.py --data /path/to/cifar10 --optimizer adamw --out adamw.json
-    python benchmarks/train_cifar.py --data /path/to/cifar10 --optimizer adafisher \
-        --precision adaptive --seed 1 --precision_map map.png
+    python benchmarks/train_cifar.py --smoke --batch_size 8 --max_steps 5   # CPU
 """
 
 import argparse
@@ -155,7 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = True
 
     start = time.perf_counter()
-    train_data = harness.load_images(args.data, "train", smoke=args.smoke)
+    n = max(256, 2 * args.batch_size)  # smoke: images for two batches at least
+    train_data = harness.load_images(args.data, "train", smoke=args.smoke, n=n)
     test_data = harness.load_images(args.data, "test", smoke=args.smoke, n=64)
     decode_seconds = time.perf_counter() - start
     mean, std = train_data.channel_stats()
