@@ -13,7 +13,7 @@ from torch import nn
 
 from hf_triaccel.curvature.reductions import Reduction, reductions_for
 from hf_triaccel.curvature.rules.base import FisherRule, out_in_layout, per_entry_layout
-from hf_triaccel.curvature.rules.plans import ViewOf, as_view, channel_reduce, inverse, plan_for
+from hf_triaccel.curvature.rules.plans import ViewOf, as_view, channel_reduce, inverse, remember
 from hf_triaccel.curvature.rules.thirdparty import pads_same_dynamically
 
 # Largest tap-by-position selector formed as one matrix (4 MiB of float32: a 3x3 kernel
@@ -246,7 +246,8 @@ class ConvRule(FisherRule):
         return {"weight": out_in_layout(c_out, d), "bias": per_entry_layout(c_out, d)}
 
     def a_write(self, module, x, out, impl, cache):
-        plan = plan_for(cache, ("a", x.shape, x.stride()), lambda: conv_plan(module, x, impl))
+        key = ("a", x.shape, x.stride())
+        plan = cache.get(key) or remember(cache, key, conv_plan(module, x, impl))
         if plan.pad is not None:
             x = F.pad(x.unsqueeze(0) if plan.unsqueeze else x, plan.pad, mode=plan.pad_mode)
         if plan.channels_last:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_triaccel.curvature.rules.base import FisherRule, in_out_layout
-from hf_triaccel.curvature.rules.plans import as_view, inverse, mean_square_rows, plan_for
+from hf_triaccel.curvature.rules.plans import as_view, inverse, mean_square_rows, remember
 
 
 @dataclass
@@ -34,11 +34,12 @@ class EmbeddingRule(FisherRule):
         return {"weight": in_out_layout(module.num_embeddings, module.embedding_dim)}
 
     def a_write(self, module, x, out, impl, cache):
-        def make() -> _EmbeddingPlan:
+        key = ("a", x.shape)
+        plan = cache.get(key)
+        if plan is None:
             n = x.numel()
-            return _EmbeddingPlan(torch.ones(n, dtype=torch.float32, device=x.device), inverse(n))
-
-        plan = plan_for(cache, ("a", x.shape), make)
+            ones = torch.ones(n, dtype=torch.float32, device=x.device)
+            plan = remember(cache, key, _EmbeddingPlan(ones, inverse(n)))
         # index_add_ rather than bincount: bincount sizes its output on the host (a sync)
         out.zero_().index_add_(0, as_view(x, (-1,)), plan.ones).mul_(plan.scale)
         return None

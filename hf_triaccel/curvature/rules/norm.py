@@ -22,7 +22,7 @@ from hf_triaccel.curvature.rules.plans import (
     as_view,
     channel_reduce,
     inverse,
-    plan_for,
+    remember,
 )
 from hf_triaccel.curvature.rules.thirdparty import declared_channels_first, norm_output_module
 
@@ -73,7 +73,8 @@ def norm_a_write(
         >>> norm_a_write(torch.ones(2, 3, 4), out, None, {}), out  # u_j = 8 / 16
         (0.75, tensor([0.1875, 0.0000]))
     """
-    plan = plan_for(cache, ("a", x.shape), lambda: norm_plan(x, impl))
+    key = ("a", x.shape)
+    plan = cache.get(key) or remember(cache, key, norm_plan(x, impl))
     plan.reduce(as_view(x, plan.shape), False, out=plan.sums, scale=plan.scale)
     # a (1, C) x (C, 1) product: one dispatch, where dot with out= takes two and a copy
     # (and with out=, a float32 product under autocast too)
@@ -168,7 +169,8 @@ class LastDimNormRule(NormRule):
     """
 
     def g_write(self, module, grad, out, accumulate, impl, cache):
-        plan = plan_for(cache, ("g", grad.shape), lambda: self._g_plan(module, grad, impl))
+        key = ("g", grad.shape)
+        plan = cache.get(key) or remember(cache, key, self._g_plan(module, grad, impl))
         if plan is _PER_CHANNEL:
             channel_reduce(grad, 1, out, accumulate, impl, cache, False)
             return

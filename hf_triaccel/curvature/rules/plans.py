@@ -60,15 +60,13 @@ def as_view(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return t.reshape(shape)
 
 
-def plan_for(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
-    """The plan stored under ``key`` in a module's cache, made and stored when missing
-    (the oldest plan goes past :data:`MAX_PLANS_PER_MODULE`)."""
-    plan = cache.get(key)
-    if plan is None:
-        plan = make()
-        if len(cache) >= MAX_PLANS_PER_MODULE:
-            del cache[next(iter(cache))]
-        cache[key] = plan
+def remember(cache: dict[Any, Any], key: Any, plan: Any) -> Any:
+    """Stores a new ``plan`` under ``key`` in a module's cache and returns it (the oldest
+    plan goes past :data:`MAX_PLANS_PER_MODULE`). Callers look up first, on the hot path:
+    ``cache.get(key) or remember(cache, key, make_plan(...))``."""
+    if len(cache) >= MAX_PLANS_PER_MODULE:
+        del cache[next(iter(cache))]
+    cache[key] = plan
     return plan
 
 
@@ -86,6 +84,14 @@ class RowsPlan:
     d: int
     scale: float
     head: ViewOf | None = None  # the part of ``out`` the sums go to, when not all of it
+
+
+def rows_plan(t: torch.Tensor, impl: str | None, bias: bool) -> RowsPlan:
+    """The plan of :func:`mean_square_rows` for inputs shaped as ``t``."""
+    d = t.shape[-1] if t.dim() else 1
+    rows = t.numel() // d if d else 0
+    head = ViewOf(lambda out: out[:d]) if bias else None
+    return RowsPlan(reductions_for(impl, t.device)[0], rows, d, inverse(rows), head)
 
 
 def mean_square_rows(
@@ -106,14 +112,8 @@ def mean_square_rows(
         >>> out
         tensor([9., 9., 0.])
     """
-
-    def make() -> RowsPlan:
-        d = t.shape[-1] if t.dim() else 1
-        rows = t.numel() // d if d else 0
-        head = ViewOf(lambda out: out[:d]) if bias else None
-        return RowsPlan(reductions_for(impl, t.device)[0], rows, d, inverse(rows), head)
-
-    plan = plan_for(cache, (key, t.shape), make)
+    plan_key = (key, t.shape)
+    plan = cache.get(plan_key) or remember(cache, plan_key, rows_plan(t, impl, bias))
     dst = out if plan.head is None else plan.head(out)
     plan.reduce(
         as_view(t, (plan.rows, plan.d)), True, out=dst, scale=plan.scale, accumulate=accumulate
@@ -127,6 +127,17 @@ class ChannelPlan:
     reduce: Reduction
     shape: tuple[int, int, int]
     scale: float
+
+
+def channel_plan(
+    t: torch.Tensor, unbatched_dim: int, impl: str | None, square: bool
+) -> ChannelPlan:
+    """The plan of :func:`channel_reduce` for inputs shaped as ``t``."""
+    shape = (1, *t.shape) if t.dim() == unbatched_dim else tuple(t.shape)
+    b, c = shape[:2]
+    length = math.prod(shape[2:])
+    scale = inverse(b * length) if square else inverse(b)
+    return ChannelPlan(reductions_for(impl, t.device)[1], (b, c, length), scale)
 
 
 def channel_reduce(
@@ -148,15 +159,8 @@ def channel_reduce(
         >>> out  # (2 * 4)^2 / 2
         tensor([32., 32., 32.])
     """
-
-    def make() -> ChannelPlan:
-        shape = (1, *t.shape) if t.dim() == unbatched_dim else tuple(t.shape)
-        b, c = shape[:2]
-        length = math.prod(shape[2:])
-        scale = inverse(b * length) if square else inverse(b)
-        return ChannelPlan(reductions_for(impl, t.device)[1], (b, c, length), scale)
-
-    plan = plan_for(cache, ("channel", t.shape), make)
+    key = ("channel", t.shape)
+    plan = cache.get(key) or remember(cache, key, channel_plan(t, unbatched_dim, impl, square))
     plan.reduce(
         as_view(t, plan.shape),
         square,
