@@ -1,16 +1,22 @@
 """The fused multi-tensor AdaFisher update (``impl="triton"``).
 
-Same arithmetic as :func:`hf_triaccel.optim.functional._reference_adafisher`, in one
-kernel launch per (parameter dtype, gradient dtype) group, however many tensors the
-group holds. The launch grid is the total number of ``BLOCK``-element chunks of the
-group's tensors; each program reads, from two small device tables,
+Over 400 lines: the kernel and the device tables it reads are one unit (the table
+columns are the kernel's constants; building, validating and caching the tables is
+how the kernel stays free of host work), and the bound and unbound entry points share
+that cache.
+
+The arithmetic of the reference update (``hf_triaccel.optim.functional``, float32 for
+float32, bfloat16 and float16 parameters: :data:`FUSED_DTYPES`), in one kernel launch
+per (parameter dtype, gradient dtype) group, however many tensors the group holds. The
+launch grid is the total number of ``BLOCK``-element chunks of the group's tensors; each
+program reads, from two small device tables,
 
 - which tensor its chunk belongs to and where the chunk starts (the *chunk table*),
 - that tensor's data pointers and factor layout (the *tensor table*),
 
 then updates its chunk: read param, grad and momentum, write param and momentum
 (20 bytes per float32 parameter). The preconditioner ``F`` is formed per element from
-the two factor vectors of :class:`~hf_triaccel.curvature.collector.ParamFactors`
+the two factor vectors of a :class:`~hf_triaccel._types.ParamFactors`
 (a few KiB, served from L2), never as a Kronecker product, and the bias correction
 ``1 - beta^t`` from the step tensor, so nothing is read back to the host.
 
@@ -26,12 +32,15 @@ The factor layouts index elements in logical (row-major) order. A ``channels_las
 convolution weight (with its gradient and momentum in the same layout) runs over
 (out, kh, kw, in) in memory: it goes to a launch of its own, whose kernel maps each
 memory position within an output row back to the factor's (in, kh, kw) index. Tensors
-in any other non-contiguous layout are left to the reference implementation.
+in any other non-contiguous layout are left alone: each call returns their positions,
+and the caller (the dispatcher in ``hf_triaccel.optim.functional``) updates them.
 
 :func:`fused_adafisher` finds its tables from the arguments on every call (a key of
 every pointer it encodes). :class:`FusedAdaFisher` is the same update bound to one
 fixed set of tensors, for a caller that owns them (the optimizer): a call then checks
 only the parameters' and gradients' addresses.
+
+This module imports only torch, triton and :mod:`hf_triaccel._types`.
 """
 
 from __future__ import annotations
@@ -46,15 +55,19 @@ import triton
 import triton.language as tl
 
 from hf_triaccel._types import ParamFactors
-from hf_triaccel.optim.functional import _reference_adafisher
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The parameter dtypes the kernel updates (in float32 arithmetic, float32 momentum).
+Others (float64 above all, whose update must stay in float64) are the caller's."""
+
+# Chosen on an H200 over ViT-B/16's 152 float32 tensors: 1024 / 4 warps took 458 us
+# (3.8 TB/s at 20 bytes per parameter), 512 / 2 warps the same, 2048 / 8 warps 492 us,
+# 4096 / 8 warps 780 us.
 BLOCK = 1024
 """Elements per program. Each program first reads two table rows and forms the bias
 correction, which 1024 elements amortise; small chunks keep many programs resident,
-which hides the latency of the dependent table loads. Measured on an H200 over
-ViT-B/16's 152 tensors (float32): 1024 / 4 warps took 458 us (3.8 TB/s at 20 bytes
-per parameter), 512 / 2 warps the same, 2048 / 8 warps 492 us, 4096 / 8 warps 780 us.
-The last partial chunk of each tensor wastes at most BLOCK - 1 lanes."""
+which hides the latency of the dependent table loads. The last partial chunk of each
+tensor wastes at most BLOCK - 1 lanes."""
 
 NUM_WARPS = 4
 """128 threads, 8 elements each: two 16-byte accesses per float32 stream per thread."""
@@ -125,6 +138,7 @@ def _adafisher_kernel(
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     LR_IS_TENSOR: tl.constexpr,
+    MAXIMIZE: tl.constexpr,  # ascend: the gradient's sign is flipped first, as torch does
     L2_DECAY: tl.constexpr,  # weight decay added to the gradient (AdaFisher)
     DECOUPLED_DECAY: tl.constexpr,  # weight decay added to the direction (AdaFisherW)
     ALIGNED: tl.constexpr,  # every param / grad / momentum pointer is 16-byte aligned
@@ -204,6 +218,8 @@ def _adafisher_kernel(
     a_fac = tl.load(tl.load(row + _T_A).to(tl.pointer_type(tl.float32)) + a_idx, mask=factor_mask)
     fisher = tl.where(has_factors, g_fac * a_fac + damping, 1.0)
 
+    if MAXIMIZE:
+        grad = -grad
     if L2_DECAY:
         grad = grad + weight_decay * theta
     mom = beta * mom + one_minus_beta * grad
@@ -219,6 +235,8 @@ def _adafisher_kernel(
         tl.store(m_ptr + j, mom, mask=mask)
 
 
+# Gradient dtypes the kernel reads (float64 gradients are read and rounded to float32,
+# as the reference rounds them for a float32 parameter); parameters: FUSED_DTYPES only.
 _TL_DTYPES = {
     torch.float32: tl.float32,
     torch.bfloat16: tl.bfloat16,
@@ -250,12 +268,14 @@ class _Plan:
 
     device: torch.device
     groups: list[_Group]
-    fallback: list[int]  # positions of tensors in other layouts (reference implementation)
+    fallback: tuple[int, ...]  # positions of tensors in other layouts: left to the caller
     grad_signature: tuple  # the gradients' dtypes and strides the groups assume
     # The ParamFactors whose id() is in the key: holding them keeps the ids unique.
     keep_alive: list[ParamFactors] = field(default_factory=list)
     grad_ptrs: tuple[int, ...] | None = None
 
+
+_TORCH_DTYPES = {v: k for k, v in _TL_DTYPES.items()}
 
 _PLANS: OrderedDict[tuple, _Plan] = OrderedDict()
 _STATS = {"plans": 0, "grad_tables": 0}
@@ -270,7 +290,7 @@ _a_of = operator.attrgetter("a")
 
 def _plan_key(params, moms, factors, steps) -> tuple:
     """What the tensor and chunk tables encode, from C-level calls only: this runs every
-    step (about 1 us per tensor). A tensor is taken to keep its dtype and strides while
+    step. A tensor is taken to keep its dtype and strides while
     its address and size are unchanged (reallocating a tensor changes its address).
 
     A ParamFactors' id() stands for its frozen layout (the plan keeps it alive, so the
@@ -355,8 +375,11 @@ def _check(
     """Validates what the kernel would otherwise read wrongly: dtypes, sizes, devices."""
     if p.device != device or m.device != device or step.device != device:
         raise ValueError(f"tensor {i}: params, momenta and steps must all be on {device}")
-    if p.dtype not in _TL_DTYPES:
-        raise TypeError(f"tensor {i}: unsupported parameter dtype {p.dtype}")
+    if p.dtype not in FUSED_DTYPES:
+        raise TypeError(
+            f"tensor {i}: parameter dtype {p.dtype} is not one of {FUSED_DTYPES} "
+            "(the dispatcher, hf_triaccel.optim.functional, updates the others)"
+        )
     if m.dtype != torch.float32 or m.shape != p.shape:
         raise ValueError(f"tensor {i}: momentum must be float32 of the parameter's shape")
     if step.dtype != torch.float32 or step.numel() != 1:
@@ -371,7 +394,7 @@ def _memory_order(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, fac: ParamFactors | None
 ) -> str | None:
     """How the kernel can walk the three tensors: ``"contiguous"``, ``"channels_last"``
-    (its own launch: the factor index is permuted), or ``None`` (reference path)."""
+    (its own launch: the factor index is permuted), or ``None`` (left to the caller)."""
     if p.is_contiguous() and g.is_contiguous() and m.is_contiguous():
         return "contiguous"
     cl = torch.channels_last
@@ -446,7 +469,7 @@ def _build_plan(params, grads, moms, factors, steps, grad_signature) -> _Plan:
     ]
     _STATS["plans"] += 1
     keep_alive = [f for f in factors if f is not None]
-    return _Plan(device, groups, fallback, grad_signature, keep_alive)
+    return _Plan(device, groups, tuple(fallback), grad_signature, keep_alive)
 
 
 def _load_grads(plan: _Plan, grads: list[torch.Tensor], grad_ptrs: tuple[int, ...]) -> None:
@@ -500,10 +523,8 @@ def clear_cache() -> None:
         _STATS[k] = 0
 
 
-def _launch(
-    plan: _Plan, params, grads, moms, factors, steps, lr, beta, weight_decay, damping, decoupled
-) -> None:
-    """Runs one step with ``plan``'s tables (and the reference path for its fallback)."""
+def _launch(plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize) -> tuple[int, ...]:
+    """Runs one step with ``plan``'s tables; returns the positions it left alone."""
     lr_is_tensor = isinstance(lr, torch.Tensor)
     if lr_is_tensor and lr.device != plan.device:
         raise ValueError(f"a tensor lr must be on the params' device ({plan.device})")
@@ -523,6 +544,7 @@ def _launch(
                 PARAM_DTYPE=group.param_dtype,
                 GRAD_DTYPE=group.grad_dtype,
                 LR_IS_TENSOR=lr_is_tensor,
+                MAXIMIZE=bool(maximize),
                 L2_DECAY=decay and not decoupled,
                 DECOUPLED_DECAY=decay and decoupled,
                 ALIGNED=group.aligned and group.grads_aligned,
@@ -530,20 +552,7 @@ def _launch(
                 BLOCK=BLOCK,
                 num_warps=NUM_WARPS,
             )
-    if plan.fallback:
-        pick = plan.fallback
-        _reference_adafisher(
-            [params[i] for i in pick],
-            [grads[i] for i in pick],
-            [moms[i] for i in pick],
-            [factors[i] for i in pick],
-            [steps[i] for i in pick],
-            lr=lr,
-            beta=beta,
-            weight_decay=weight_decay,
-            damping=damping,
-            decoupled=decoupled,
-        )
+    return plan.fallback
 
 
 def fused_adafisher(
@@ -558,17 +567,19 @@ def fused_adafisher(
     weight_decay: float,
     damping: float,
     decoupled: bool,
-) -> None:
+    maximize: bool = False,
+) -> tuple[int, ...]:
     """Applies one AdaFisher step in place with one kernel launch per dtype group.
 
-    Arguments and result are those of :func:`hf_triaccel.optim.functional.adafisher`
-    (which validates the hyper-parameters): contiguous and channels-last tensors are
-    updated by the fused kernel, any others by the reference implementation. The first
-    call for a set of tensors builds and caches the device tables; later calls only
-    launch, so a call after that first one can be captured in a CUDA graph.
+    Arguments are those of :func:`hf_triaccel.optim.functional.adafisher` (which
+    validates the hyper-parameters and routes the tensors): contiguous and
+    channels-last tensors are updated by the fused kernel; tensors in other layouts
+    are left unchanged and their positions returned. The first call for a set of
+    tensors builds and caches the device tables; later calls only launch, so a call
+    after that first one can be captured in a CUDA graph.
 
     Args:
-        params: parameters on one device (float32, bfloat16, float16 or float64).
+        params: parameters on one device, of the :data:`FUSED_DTYPES`.
         grads: their gradients (same sizes; any of those dtypes).
         moms: float32 momentum buffers.
         factors: per parameter, its :class:`ParamFactors` or ``None`` (F = 1).
@@ -579,15 +590,21 @@ def fused_adafisher(
         weight_decay: L2 (``decoupled=False``) or decoupled weight decay.
         damping: added to every preconditioner entry.
         decoupled: AdaFisherW's decoupled weight decay.
+        maximize: ascend instead of descend (the gradient's sign is flipped).
+
+    Returns:
+        The positions of the tensors left unchanged (a memory layout the kernel cannot
+        walk), for the caller to update; usually empty.
 
     Raises:
+        TypeError: a parameter dtype outside :data:`FUSED_DTYPES`.
         ValueError: mismatched sizes, dtypes or devices, or a layout that reads past
             its factor vectors (checked when tables are built).
     """
     if not params:
-        return
+        return ()
     plan = _get_plan(params, grads, moms, factors, steps)
-    _launch(plan, params, grads, moms, factors, steps, lr, beta, weight_decay, damping, decoupled)
+    return _launch(plan, lr, beta, weight_decay, damping, decoupled, maximize)
 
 
 class FusedAdaFisher:
@@ -611,6 +628,7 @@ class FusedAdaFisher:
         >>> update = FusedAdaFisher([p], [m], [None], [torch.ones(())])
         >>> update([torch.full((3,), 0.5)], lr=0.1, beta=0.9, weight_decay=0.0,
         ...        damping=1e-3, decoupled=False)  # doctest: +SKIP
+        ()
     """
 
     def __init__(
@@ -638,9 +656,10 @@ class FusedAdaFisher:
         weight_decay: float,
         damping: float,
         decoupled: bool,
-    ) -> None:
-        """One step with these gradients (one per parameter, same order); the other
-        arguments as for :func:`fused_adafisher`."""
+        maximize: bool = False,
+    ) -> tuple[int, ...]:
+        """One step with these gradients (one per parameter, same order); arguments and
+        result as for :func:`fused_adafisher`."""
         if len(grads) != len(self.params):
             raise ValueError(f"expected {len(self.params)} gradients, got {len(grads)}")
         param_ptrs = tuple(map(_data_ptr, self.params))
@@ -653,5 +672,20 @@ class FusedAdaFisher:
             self._param_ptrs = param_ptrs
         if grad_ptrs != plan.grad_ptrs:
             _load_grads(plan, grads, grad_ptrs)
-        tensors = (self.params, grads, self.moms, self.factors, self.steps)
-        _launch(plan, *tensors, lr, beta, weight_decay, damping, decoupled)
+        return _launch(plan, lr, beta, weight_decay, damping, decoupled, maximize)
+
+    @property
+    def launches(self) -> list[tuple[torch.dtype, torch.dtype, bool, int]]:
+        """Per kernel launch of the last call: (parameter dtype, gradient dtype,
+        channels-last, number of tensors)."""
+        if self._plan is None:
+            return []
+        return [
+            (
+                _TORCH_DTYPES[g.param_dtype],
+                _TORCH_DTYPES[g.grad_dtype],
+                g.channels_last,
+                len(g.members),
+            )
+            for g in self._plan.groups
+        ]

@@ -19,12 +19,19 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from hf_triaccel._types import EMA_MODES, ParamFactors
+from hf_triaccel._types import ParamFactors
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.dispatch import resolve_impl, validate_impl
-from hf_triaccel.optim.functional import _check_args, prepare_adafisher
+from hf_triaccel.dispatch import resolve_impl
+from hf_triaccel.optim.checkpoint import FISHER_KEY, check_loadable, restore_states
+from hf_triaccel.optim.config import (
+    AdaFisherConfig,
+    check_step_hyperparameters,
+    impl_from_torch_flags,
+)
+from hf_triaccel.optim.functional import compute_dtype, prepare_adafisher
+from hf_triaccel.optim.groups import param_groups
 
-_FISHER_KEY = "fisher"
+_TORCH_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 _grad_of = operator.attrgetter("grad")
 _NONES = itertools.repeat(None)
 
@@ -63,24 +70,33 @@ class _GroupPlan:
 
 
 class AdaFisher(Optimizer):
-    """AdaFisher with L2 weight decay (DESIGN.md section 3).
+    """AdaFisher with L2 weight decay (docs/design.md, "AdaFisher").
+
+    A torch optimizer: param groups, ``state_dict`` / ``load_state_dict``, closures,
+    ``copy.deepcopy``. A float64 parameter is updated in float64 with a float64
+    momentum; float32, bfloat16 and float16 ones in float32 with a float32 momentum.
+    Complex parameters are refused.
 
     Args:
-        params: parameters or param groups, as for any torch optimizer.
+        params: parameters or param groups, as for any torch optimizer; a group may
+            override ``lr``, ``beta``, ``damping``, ``weight_decay`` and ``maximize``.
         collector: the :class:`FisherCollector` of the model being trained. Parameters
             of modules it covers are preconditioned with their Fisher factors, the
             others with F = 1. Without a collector every parameter gets F = 1
             (a warning says so); :meth:`from_model` builds both in one call.
-        lr: learning rate (a float or a one-element tensor).
-        beta: momentum coefficient.
-        damping: lambda added to every preconditioner entry.
-        gamma: EMA coefficient of the Fisher factors.
-        update_every: refresh the factors every this many optimizer steps
-            (default 100 for ``ema="reference"``, 1 for ``ema="paper"``).
-        weight_decay: L2 penalty added to the gradient.
-        ema: ``"reference"`` (published results) or ``"paper"``; must match the collector.
-        impl: ``"triton"``, ``"foreach"``, ``"reference"`` or ``None`` (automatic;
-            the ``HF_TRIACCEL_IMPL`` environment variable overrides automatic).
+        lr, beta, damping, gamma, update_every, weight_decay, ema, impl: the
+            hyperparameters of :class:`~hf_triaccel.optim.config.AdaFisherConfig`
+            (same defaults), validated by it; ``ema`` must match the collector's.
+        maximize: ascend the objective instead of descending it.
+        foreach, fused, capturable, differentiable: torch.optim's flags, which timm and
+            other wrappers pass: ``foreach=True`` selects ``impl="foreach"``,
+            ``foreach=False`` the per-tensor loop (``"reference"``), ``fused=True``
+            ``"triton"``; ``capturable`` and ``differentiable`` must stay ``False``.
+
+    Raises:
+        ValueError: a hyperparameter out of range (naming the field), flags that
+            disagree, or an ``ema`` other than the collector's.
+        TypeError: a complex parameter, or a collector of another type.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -96,43 +112,61 @@ class AdaFisher(Optimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         collector: FisherCollector | None = None,
         *,
-        lr: float | torch.Tensor = 1e-3,
-        beta: float = 0.9,
-        damping: float = 1e-3,
-        gamma: float = 0.8,
-        update_every: int | None = None,
-        weight_decay: float = 0.0,
-        ema: str = "reference",
-        impl: str | None = None,
+        lr: float | torch.Tensor = AdaFisherConfig.lr,
+        beta: float = AdaFisherConfig.beta,
+        damping: float = AdaFisherConfig.damping,
+        gamma: float = AdaFisherConfig.gamma,
+        update_every: int | None = AdaFisherConfig.update_every,
+        weight_decay: float = AdaFisherConfig.weight_decay,
+        ema: str = AdaFisherConfig.ema,
+        impl: str | None = AdaFisherConfig.impl,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
-        _check_args(lr, beta, weight_decay, damping)
-        if not 0.0 < gamma < 1.0:
-            raise ValueError(f"invalid gamma: {gamma} (needs 0 < gamma < 1)")
-        if ema not in EMA_MODES:
-            raise ValueError(f"ema={ema!r} is not one of {EMA_MODES}")
-        if update_every is None:
-            update_every = 100 if ema == "reference" else 1
-        if not isinstance(update_every, int) or update_every < 1:
-            raise ValueError(f"invalid update_every: {update_every!r} (needs an int >= 1)")
+        name = type(self).__name__
+        impl = impl_from_torch_flags(
+            impl,
+            foreach=foreach,
+            fused=fused,
+            capturable=capturable,
+            differentiable=differentiable,
+            owner=name,
+        )
+        config = AdaFisherConfig(
+            lr=lr,
+            beta=beta,
+            damping=damping,
+            gamma=gamma,
+            update_every=update_every,
+            weight_decay=weight_decay,
+            ema=ema,
+            impl=impl,
+        )
         if collector is not None and not isinstance(collector, FisherCollector):
             raise TypeError(f"collector must be a FisherCollector, got {type(collector).__name__}")
-        if collector is not None and collector.ema != ema:
-            raise ValueError(f"ema={ema!r} but the collector was built with ema={collector.ema!r}")
-        validate_impl(impl)
-        defaults = dict(lr=lr, beta=beta, damping=damping, weight_decay=weight_decay)
+        if collector is not None and collector.ema != config.ema:
+            raise ValueError(
+                f"{name}.ema={config.ema!r} but the collector was built with ema={collector.ema!r}"
+            )
+        defaults = dict(
+            lr=lr, beta=beta, damping=damping, weight_decay=weight_decay, maximize=bool(maximize)
+        )
         super().__init__(params, defaults)
         if collector is None:
             warnings.warn(
-                f"{type(self).__name__} without a FisherCollector preconditions every "
-                "parameter with F = 1; use "
-                f"{type(self).__name__}.from_model(model, ...) for Fisher preconditioning",
+                f"{name} without a FisherCollector preconditions every parameter with "
+                f"F = 1; use {name}.from_model(model, ...) for Fisher preconditioning",
                 stacklevel=2,
             )
+        self.config = config
         self.collector = collector
-        self.gamma = gamma
-        self.update_every = update_every
-        self.ema = ema
-        self.impl = impl
+        self.gamma = config.gamma
+        self.update_every = config.resolved_update_every
+        self.ema = config.ema
+        self.impl = config.impl
         self.fisher_steps = 0
         self._plans: list[_GroupPlan | None] = []
         self._sync_collecting()
@@ -148,19 +182,51 @@ class AdaFisher(Optimizer):
 
         Args:
             model: the model to train.
-            params: parameters or param groups; default, every trainable parameter.
-            **hyperparameters: as for the constructor (``ema`` and ``impl`` are
-                passed to the collector too).
+            params: parameters or param groups; default, the trainable parameters in
+                the groups of :func:`~hf_triaccel.optim.groups.param_groups` (no weight
+                decay on biases and normalisation weights).
+            **hyperparameters: as for the constructor (``ema`` and the implementation
+                are passed to the collector too).
 
         Example:
             >>> opt = AdaFisherW.from_model(nn.Linear(4, 2), lr=1e-3, weight_decay=0.01)
+            >>> [g["weight_decay"] for g in opt.param_groups]
+            [0.01, 0.0]
         """
-        collector = FisherCollector(
-            model, ema=hyperparameters.get("ema", "reference"), impl=hyperparameters.get("impl")
-        )
+        flags = {k: hyperparameters[k] for k in _TORCH_FLAGS if k in hyperparameters}
+        impl = impl_from_torch_flags(hyperparameters.get("impl"), **flags, owner=cls.__name__)
+        ema = hyperparameters.get("ema", AdaFisherConfig.ema)
         if params is None:
-            params = [p for p in model.parameters() if p.requires_grad]
-        return cls(params, collector, **hyperparameters)
+            decay = hyperparameters.get("weight_decay", AdaFisherConfig.weight_decay)
+            params = param_groups(model, decay)
+        collector = FisherCollector(model, ema=ema, impl=impl)
+        try:
+            return cls(params, collector, **hyperparameters)
+        except Exception:
+            collector.remove()  # a refused configuration leaves no hooks behind
+            raise
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a param group (see :meth:`torch.optim.Optimizer.add_param_group`),
+        refusing values out of range and parameters that are not real floating-point."""
+        super().add_param_group(param_group)
+        i = len(self.param_groups) - 1
+        group = self.param_groups[i]
+        owner = f"{type(self).__name__}.param_groups[{i}]"
+        try:
+            check_step_hyperparameters(
+                group["lr"], group["beta"], group["weight_decay"], group["damping"], owner=owner
+            )
+            for j, p in enumerate(group["params"]):
+                if not p.is_floating_point():
+                    raise TypeError(
+                        f"{owner}: parameter {j} is {p.dtype}; {type(self).__name__} "
+                        "updates real floating-point parameters only (complex ones are "
+                        "not supported)"
+                    )
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
 
     def _sync_collecting(self) -> None:
         if self.collector is not None:
@@ -201,7 +267,7 @@ class AdaFisher(Optimizer):
                 plan = self._plans[i] = self._plan_group(group, grads, has_grad, generation)
             lr, beta = group["lr"], group["beta"]
             weight_decay, damping = group["weight_decay"], group["damping"]
-            _check_args(lr, beta, weight_decay, damping)
+            check_step_hyperparameters(lr, beta, weight_decay, damping, owner=type(self).__name__)
             for part in plan.parts:
                 impl = resolve_impl(self.impl, part.device)
                 if impl != part.impl:
@@ -217,6 +283,7 @@ class AdaFisher(Optimizer):
                     weight_decay=weight_decay,
                     damping=damping,
                     decoupled=self.decoupled,
+                    maximize=group["maximize"],
                 )
         self.fisher_steps += 1
         self._sync_collecting()
@@ -230,7 +297,7 @@ class AdaFisher(Optimizer):
         generation: int,
     ) -> _GroupPlan:
         """Creates missing state and binds the update of a group's parameters with
-        gradients, one part per device (the update groups by dtype itself)."""
+        gradients, one part per device (the update routes by dtype itself)."""
         params = group["params"]
         by_device: dict[torch.device, list[int]] = {}
         for j, (p, g) in enumerate(zip(params, grads, strict=True)):
@@ -241,7 +308,7 @@ class AdaFisher(Optimizer):
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
+                state["momentum"] = torch.zeros_like(p, dtype=compute_dtype(p.dtype))
             by_device.setdefault(p.device, []).append(j)
         parts = []
         for device, positions in by_device.items():
@@ -275,27 +342,25 @@ class AdaFisher(Optimizer):
         """The torch optimizer state plus the Fisher factors (by layer name) and the
         refresh schedule, so that a resumed run continues exactly."""
         sd = super().state_dict()
-        sd[_FISHER_KEY] = {
+        sd[FISHER_KEY] = {
             "fisher_steps": self.fisher_steps,
             "factors": None if self.collector is None else self.collector.state_dict(),
         }
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict of :meth:`state_dict` (torch's older format, with each
+        ``step`` a number, too).
+
+        Raises:
+            ValueError: a state dict of another optimizer (AdamW's, say), naming the
+                entries it lacks; or one that does not match the param groups.
+        """
         state_dict = dict(state_dict)
-        fisher = state_dict.pop(_FISHER_KEY, None)
+        fisher = state_dict.pop(FISHER_KEY, None)
+        check_loadable(state_dict, f"{type(self).__name__}.load_state_dict")
         super().load_state_dict(state_dict)
-        # torch casts loaded state to the parameter's dtype (bf16 momentum would lose
-        # bits) and leaves "step" where it was saved: restore both from the saved values
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params, strict=True):
-            if pid in state_dict["state"]:
-                saved = state_dict["state"][pid]
-                self.state[p] = {
-                    "step": saved["step"].to(device=p.device, dtype=torch.float32),
-                    "momentum": saved["momentum"].to(device=p.device, dtype=torch.float32),
-                }
+        restore_states(self, state_dict)
         self._plans = []  # the momenta and steps were replaced
         if fisher is None:
             return
@@ -303,6 +368,20 @@ class AdaFisher(Optimizer):
         if self.collector is not None and fisher["factors"] is not None:
             self.collector.load_state_dict(fisher["factors"])
         self._sync_collecting()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickle keep: torch's state (without its hooks, as
+        torch does) and every public attribute. The step plans hold the addresses of
+        this optimizer's tensors: a copy builds its own at its first step."""
+        state = super().__getstate__()
+        state.update((k, v) for k, v in vars(self).items() if not k.startswith("_"))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._plans = []
+        for group in self.param_groups:
+            group.setdefault("maximize", False)  # groups saved before the flag existed
 
 
 class AdaFisherW(AdaFisher):

@@ -3,6 +3,12 @@
 Every entry point derives from :class:`AdaFisherConfig`: the optimizer constructor
 validates through it, ``TriAccelArguments`` and ``TriAccelPlugin`` build one, and the
 recipes take its defaults. A field has one default everywhere.
+
+The same module holds the two checks that run outside a config:
+:func:`check_step_hyperparameters` (the values a param group may override, checked
+again by the optimizer and the functional update) and :func:`impl_from_torch_flags`
+(torch.optim's ``foreach`` / ``fused`` / ``capturable`` / ``differentiable``, which
+wrappers such as timm pass to every optimizer).
 """
 
 from __future__ import annotations
@@ -18,6 +24,97 @@ from hf_triaccel.dispatch import validate_impl
 
 DEFAULT_LR = 1e-3
 """AdaFisher's default learning rate, in every entry point."""
+
+
+def check_step_hyperparameters(
+    lr: float | torch.Tensor,
+    beta: float,
+    weight_decay: float,
+    damping: float,
+    *,
+    owner: str = "AdaFisherConfig",
+) -> None:
+    """Checks the hyperparameters the update reads at every step (a param group may
+    override each of them); errors name ``owner.<field>``.
+
+    A tensor learning rate is checked for its size only: reading its value would
+    synchronise with the device at every step.
+
+    Raises:
+        ValueError: a value out of its range.
+
+    Example:
+        >>> check_step_hyperparameters(1e-3, beta=0.9, weight_decay=0.0, damping=0.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: AdaFisherConfig.damping=0.0: needs > 0
+    """
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{owner}.lr: a tensor learning rate must have one element")
+    elif not lr >= 0.0:
+        raise ValueError(f"{owner}.lr={lr!r}: needs >= 0")
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"{owner}.beta={beta!r}: needs 0 <= beta < 1")
+    if not damping > 0.0:
+        raise ValueError(f"{owner}.damping={damping!r}: needs > 0")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"{owner}.weight_decay={weight_decay!r}: needs >= 0")
+
+
+def impl_from_torch_flags(
+    impl: str | None,
+    *,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    capturable: bool = False,
+    differentiable: bool = False,
+    owner: str = "AdaFisher",
+) -> str | None:
+    """The implementation asked for by ``impl`` together with torch.optim's flags.
+
+    ``foreach=True`` asks for ``"foreach"`` and ``foreach=False`` for the per-tensor
+    loop (``"reference"``), as in torch's optimizers; ``fused=True`` asks for the fused
+    kernel (``"triton"``) and ``fused=False`` for anything else (``"foreach"``, or
+    ``"reference"`` with ``foreach=False``). ``None`` leaves the choice to ``impl``.
+
+    Raises:
+        ValueError: flags that ask for different implementations, or
+            ``capturable=True`` / ``differentiable=True`` (not supported).
+
+    Example:
+        >>> impl_from_torch_flags(None, foreach=True)
+        'foreach'
+        >>> impl_from_torch_flags("triton", foreach=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: AdaFisher: impl='triton' and foreach=True choose different implementations
+    """
+    if differentiable:
+        raise ValueError(
+            f"{owner}: differentiable=True is not supported (the update runs under "
+            "torch.no_grad); leave differentiable=False"
+        )
+    if capturable:
+        raise ValueError(
+            f"{owner}: capturable=True is not supported; leave capturable=False (the "
+            "fused implementation, impl='triton', can be captured in a CUDA graph after "
+            "one uncaptured step)"
+        )
+    given = []  # (the argument as written, the implementation it asks for; None: any)
+    if impl is not None:
+        given.append((f"impl={impl!r}", validate_impl(impl)))
+    if foreach is not None:
+        given.append((f"foreach={foreach}", "foreach" if foreach else "reference"))
+    if fused is not None:
+        given.append((f"fused={fused}", "triton" if fused else None))
+    wanted = {name for _, name in given if name is not None}
+    if len(wanted) > 1 or (fused is False and wanted == {"triton"}):
+        arguments = " and ".join(text for text, _ in given)
+        raise ValueError(f"{owner}: {arguments} choose different implementations")
+    if wanted:
+        return wanted.pop()
+    return "foreach" if fused is False else None
 
 
 @dataclass
@@ -81,15 +178,8 @@ class AdaFisherConfig:
         Args:
             owner: the name errors give the object (an entry point passes its own).
         """
-        lr = self.lr
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"{owner}.lr: a tensor learning rate must have one element")
-        elif not lr >= 0.0:
-            raise ValueError(f"{owner}.lr={lr!r}: needs >= 0")
+        check_step_hyperparameters(self.lr, self.beta, self.weight_decay, self.damping, owner=owner)
         checks = (
-            ("beta", 0.0 <= self.beta < 1.0, "needs 0 <= beta < 1"),
-            ("damping", self.damping > 0.0, "needs > 0"),
             ("gamma", 0.0 < self.gamma < 1.0, "needs 0 < gamma < 1"),
             (
                 "update_every",
@@ -101,7 +191,6 @@ class AdaFisherConfig:
                 ),
                 "needs an integer >= 1 (or None for the EMA rule's default)",
             ),
-            ("weight_decay", self.weight_decay >= 0.0, "needs >= 0"),
             ("ema", self.ema in EMA_MODES, f"must be one of {EMA_MODES}"),
         )
         for name, ok, why in checks:

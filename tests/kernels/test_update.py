@@ -1,6 +1,7 @@
-"""The fused AdaFisher kernel against the reference implementation.
+"""The fused AdaFisher kernel against the reference implementation, and the dispatcher
+that routes the tensors the kernel does not take.
 
-On the CPU the kernel runs under Triton's interpreter (see tests/conftest.py), so the
+On the CPU the kernel runs under Triton's interpreter (see conftest.py), so the
 shapes are small but chosen to hit every indexing case: odd sizes, a tensor spanning
 several chunks with a partial last one, one that is an exact multiple of the chunk
 size, and factor layouts whose quotient and remainder both wrap inside a chunk.
@@ -14,22 +15,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hf_triaccel._types import ParamFactors
-from hf_triaccel.curvature.rules import (
-    FactorLayout,
-    in_out_layout,
-    out_in_layout,
-    per_entry_layout,
-)
-from hf_triaccel.kernels import update
+from hf_triaccel._types import FactorLayout, ParamFactors
+from hf_triaccel.curvature.rules import in_out_layout, out_in_layout, per_entry_layout
 from hf_triaccel.kernels.update import (
     BLOCK,
+    FUSED_DTYPES,
     FusedAdaFisher,
     cache_info,
     clear_cache,
     fused_adafisher,
 )
-from hf_triaccel.optim.functional import _reference_adafisher, adafisher
+from hf_triaccel.optim.functional import adafisher, prepare_adafisher
 
 HYPER = dict(beta=0.9, damping=1e-3)
 # Per spec: shape, then (g length, a length, layout) or None for F = 1.
@@ -72,6 +68,11 @@ def make_case(specs, dtype, seed, device="cpu"):
     return params, moms, factors, steps
 
 
+def reference(params, grads, moms, factors, steps, **kwargs):
+    """The reference implementation, through the public dispatcher."""
+    adafisher(params, grads, moms, factors, steps, impl="reference", **kwargs)
+
+
 def fresh_grads(params, gen):
     return [torch.randn(p.shape, generator=gen).to(p.device, p.dtype) for p in params]
 
@@ -106,7 +107,7 @@ def run_both(specs, *, dtype, n_steps, lr, weight_decay, decoupled, seed=0, devi
         torch._foreach_add_(steps, 1.0)
         torch._foreach_add_(ref_steps, 1.0)
         fused_adafisher(params, grads, moms, factors, steps, **kwargs)
-        _reference_adafisher(ref_params, grads, ref_moms, factors, ref_steps, **kwargs)
+        reference(ref_params, grads, ref_moms, factors, ref_steps, **kwargs)
         peak = [torch.maximum(m, p.float().abs()) for m, p in zip(peak, ref_params, strict=True)]
     return Trajectory(params, ref_params, moms, ref_moms, start_params, start_moms, peak)
 
@@ -188,11 +189,15 @@ def test_mixed_dtypes_one_launch_per_group(device):
     torch._foreach_add_(steps, 1.0)
     ref_params, ref_moms, p0 = clone_all(params), clone_all(moms), clone_all(params)
     kwargs = dict(lr=0.01, weight_decay=0.01, decoupled=True, **HYPER)
-    clear_cache()
-    fused_adafisher(params, grads, moms, factors, steps, **kwargs)
-    _reference_adafisher(ref_params, grads, ref_moms, factors, steps, **kwargs)
-    (plan,) = update._PLANS.values()
-    assert len(plan.groups) == 4  # (bf16, f32), (bf16, bf16), (f32, f32), (f16, f16)
+    bound = FusedAdaFisher(params, moms, factors, steps)
+    assert bound(grads, **kwargs) == ()
+    reference(ref_params, grads, ref_moms, factors, steps, **kwargs)
+    assert bound.launches == [
+        (torch.bfloat16, torch.float32, False, n),
+        (torch.bfloat16, torch.bfloat16, False, n),
+        (torch.float32, torch.float32, False, n),
+        (torch.float16, torch.float16, False, n),
+    ]
     peak = [p.float().abs() for p in p0]
     for lo in range(0, len(params), n):
         hi = lo + n
@@ -227,14 +232,16 @@ def test_cached_tables_follow_moved_factors(device):
     torch._foreach_add_(steps, 1.0)
     kwargs = dict(lr=0.01, weight_decay=0.0, decoupled=False, **HYPER)
     fused_adafisher(params, grads, moms, factors, steps, **kwargs)
-    _reference_adafisher(ref_params, grads, ref_moms, factors, steps, **kwargs)
+    reference(ref_params, grads, ref_moms, factors, steps, **kwargs)
     factors[0].g.data = factors[0].g.data * 3.0
     fused_adafisher(params, grads, moms, factors, steps, **kwargs)
-    _reference_adafisher(ref_params, grads, ref_moms, factors, steps, **kwargs)
+    reference(ref_params, grads, ref_moms, factors, steps, **kwargs)
     assert_matches(params, ref_params, torch.float32)
 
 
-def test_non_contiguous_tensors_use_the_reference_path(device):
+def test_non_contiguous_tensors_are_left_to_the_dispatcher(device):
+    """The kernel leaves a tensor it cannot walk untouched and returns its position;
+    the dispatcher updates it on the foreach path."""
     params, moms, factors, steps = make_case(SMALL_SPECS[:2], torch.float32, 0, device)
     params[0] = params[0].t().contiguous().t()  # (7, 13) stored column-major
     moms[0] = moms[0].t().contiguous().t()
@@ -243,11 +250,12 @@ def test_non_contiguous_tensors_use_the_reference_path(device):
     grads = fresh_grads(params, torch.Generator().manual_seed(0))
     torch._foreach_add_(steps, 1.0)
     kwargs = dict(lr=0.01, weight_decay=0.1, decoupled=False, **HYPER)
-    clear_cache()
-    fused_adafisher(params, grads, moms, factors, steps, **kwargs)
-    _reference_adafisher(ref_params, grads, ref_moms, factors, steps, **kwargs)
-    (plan,) = update._PLANS.values()
-    assert plan.fallback == [0]
+    reference(ref_params, grads, ref_moms, factors, steps, **kwargs)
+    kernel_params, kernel_moms = clone_all(params), clone_all(moms)
+    assert fused_adafisher(kernel_params, grads, kernel_moms, factors, steps, **kwargs) == (0,)
+    assert torch.equal(kernel_params[0], params[0]) and torch.equal(kernel_moms[0], moms[0])
+    assert_matches(kernel_params[1:], ref_params[1:], torch.float32)
+    adafisher(params, grads, moms, factors, steps, impl="triton", **kwargs)
     assert_matches(params, ref_params, torch.float32)
     assert_matches(moms, ref_moms, torch.float32)
 
@@ -282,23 +290,21 @@ def test_channels_last_weights_use_the_kernel(device, dtype):
     gen = torch.Generator().manual_seed(4)
     kwargs = dict(lr=0.01, weight_decay=0.05, decoupled=False, **HYPER)
     peak = [p.float().abs() for p in params]
-    clear_cache()
+    bound = FusedAdaFisher(params, moms, factors, steps)
     for _ in range(3):
         grads = _channels_last(fresh_grads(params, gen), four_d)
         torch._foreach_add_(steps, 1.0)
-        fused_adafisher(params, grads, moms, factors, steps, **kwargs)
-        _reference_adafisher(ref_params, grads, ref_moms, factors, steps, **kwargs)
+        assert bound(grads, **kwargs) == ()
+        reference(ref_params, grads, ref_moms, factors, steps, **kwargs)
         peak = [torch.maximum(m, p.float().abs()) for m, p in zip(peak, ref_params, strict=True)]
-    (plan,) = update._PLANS.values()
-    assert plan.fallback == []
-    assert sorted(g.channels_last for g in plan.groups) == [False, True]
+    assert sorted(channels_last for *_, channels_last, _ in bound.launches) == [False, True]
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in params[:4])
     assert_matches(params, ref_params, dtype, peak)
     assert_moms_match(moms, ref_moms, dtype)
 
 
-def test_channels_last_with_another_layout_uses_the_reference_path(device):
-    """A layout that is not a conv weight's cannot be permuted: reference path."""
+def test_channels_last_with_another_layout_is_left_to_the_dispatcher(device):
+    """A layout that is not a conv weight's cannot be permuted: the foreach path."""
     lay = FactorLayout(g_div=1, g_mod=4, a_div=4, a_mod=27)  # an (in, out)-style layout
     params, moms, factors, steps = make_case([((4, 3, 3, 3), (4, 27, lay))], torch.float32, 5)
     params, moms = _channels_last(params, [0]), _channels_last(moms, [0])
@@ -306,11 +312,12 @@ def test_channels_last_with_another_layout_uses_the_reference_path(device):
     ref_params, ref_moms = clone_all(params), clone_all(moms)
     torch._foreach_add_(steps, 1.0)
     kwargs = dict(lr=0.01, weight_decay=0.0, decoupled=True, **HYPER)
-    clear_cache()
-    fused_adafisher(params, grads, moms, factors, steps, **kwargs)
-    _reference_adafisher(ref_params, grads, ref_moms, factors, steps, **kwargs)
-    (plan,) = update._PLANS.values()
-    assert plan.fallback == [0]
+    untouched = clone_all(params)
+    assert fused_adafisher(params, grads, moms, factors, steps, **kwargs) == (0,)
+    assert torch.equal(params[0], untouched[0])
+    update = prepare_adafisher(params, moms, factors, steps, impl="triton")
+    update(grads, maximize=False, **kwargs)
+    reference(ref_params, grads, ref_moms, factors, steps, **kwargs)
     assert_matches(params, ref_params, torch.float32)
 
 
@@ -327,7 +334,7 @@ def test_bound_update_checks_only_params_and_grads(device):
     def step(grads):
         torch._foreach_add_(steps, 1.0)
         bound(grads, **kwargs)
-        _reference_adafisher(ref_params, grads, ref_moms, factors, steps, **kwargs)
+        reference(ref_params, grads, ref_moms, factors, steps, **kwargs)
         assert_matches(params, ref_params, torch.float32)
         assert_matches(moms, ref_moms, torch.float32)
 
@@ -360,6 +367,70 @@ def test_functional_dispatches_to_the_kernel(device):
     assert_matches(params, ref_params, torch.float32)
 
 
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_maximize_flips_the_gradient_first(device, decoupled):
+    """maximize=True is the update with the gradient negated before the weight decay is
+    added, as in torch's optimizers: kernel and reference alike."""
+    params, moms, factors, steps = make_case(SMALL_SPECS, torch.float32, 7, device)
+    ref_params, ref_moms = clone_all(params), clone_all(moms)
+    neg_params, neg_moms = clone_all(params), clone_all(moms)
+    grads = fresh_grads(params, torch.Generator().manual_seed(7))
+    torch._foreach_add_(steps, 1.0)
+    kwargs = dict(lr=0.01, weight_decay=0.1, decoupled=decoupled, **HYPER)
+    assert fused_adafisher(params, grads, moms, factors, steps, maximize=True, **kwargs) == ()
+    reference(ref_params, grads, ref_moms, factors, steps, maximize=True, **kwargs)
+    negated = [-g for g in grads]
+    reference(neg_params, negated, neg_moms, factors, steps, maximize=False, **kwargs)
+    for got, want in ((ref_params, neg_params), (ref_moms, neg_moms)):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)  # negation is exact: the same arithmetic follows
+    assert_matches(params, ref_params, torch.float32)
+    assert_matches(moms, ref_moms, torch.float32)
+
+
+def assert_float64_close(got, want, steps: int) -> None:
+    """Two float64 updates of the same arithmetic in another order: each of the update's
+    few operations (fewer than 8) rounds at float64's unit roundoff, per step, relative
+    to the largest magnitude the tensor holds."""
+    u = torch.finfo(torch.float64).eps / 2
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.dtype == b.dtype == torch.float64
+        scale = float(torch.maximum(a.abs(), b.abs()).max())
+        torch.testing.assert_close(a, b, rtol=0, atol=8 * steps * u * scale, msg=f"tensor {i}")
+
+
+def test_float64_parameters_are_updated_in_float64(device):
+    """With impl="triton", the dispatcher gives the kernel the float32 parameters and
+    updates the float64 ones on the foreach path, in float64 with float64 momenta. The
+    step (lr 1e-13) is far below float32's resolution at the parameters' magnitude, so
+    float32 arithmetic anywhere would show at once."""
+    assert torch.float64 not in FUSED_DTYPES
+    specs = SMALL_SPECS[:4]
+    p32, m32, f32, s32 = make_case(specs, torch.float32, 8, device)
+    p64, m64, f64, s64 = make_case(specs, torch.float64, 8, device)
+    m64 = [m.double() for m in m64]
+    params, moms, factors, steps = p32 + p64, m32 + m64, f32 + f64, s32 + s64
+    ref_params, ref_moms = clone_all(params), clone_all(moms)
+    start = clone_all(p64)
+    kwargs = dict(lr=1e-13, weight_decay=0.1, decoupled=False, **HYPER)
+    update = prepare_adafisher(params, moms, factors, steps, impl="triton")
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        grads = fresh_grads(params, gen)
+        torch._foreach_add_(steps, 1.0)
+        update(grads, maximize=False, **kwargs)
+        reference(ref_params, grads, ref_moms, factors, steps, **kwargs)
+    n = len(specs)
+    assert_matches(params[:n], ref_params[:n], torch.float32)
+    assert_float64_close(params[n:], ref_params[n:], steps=3)
+    assert_float64_close(moms[n:], ref_moms[n:], steps=3)
+    for p, p0 in zip(params[n:], start, strict=True):
+        moved = (p - p0).abs().max()
+        assert 0 < moved < torch.finfo(torch.float32).eps * p0.abs().max() / 100
+    with pytest.raises(ValueError, match="momentum must be torch.float64"):
+        adafisher(p64, grads[n:], m32, f64, s64, impl="reference", **kwargs)
+
+
 def test_empty_tensors_and_lists_are_no_ops(device):
     kwargs = dict(lr=0.1, weight_decay=0.0, decoupled=False, **HYPER)
     fused_adafisher([], [], [], [], [], **kwargs)
@@ -379,6 +450,8 @@ def test_invalid_inputs_raise(device):
         fused_adafisher([p], [torch.randn(5, device=device)], [m], [None], [s], **kwargs)
     with pytest.raises(ValueError, match="momentum"):
         fused_adafisher([p], [g], [m.double()], [None], [s], **kwargs)
+    with pytest.raises(TypeError, match="float64"):  # the dispatcher's, not the kernel's
+        fused_adafisher([p.double()], [g], [m], [None], [s], **kwargs)
 
 
 # --------------------------------------------------------------------------- GPU, real sizes
@@ -470,9 +543,7 @@ def test_gpu_cuda_graph_replay(device):
         lr.fill_(1e-3 * (k + 1))
         graph.replay()
         torch._foreach_add_(ref_steps, 1.0)
-        _reference_adafisher(
-            ref_params, new, ref_moms, factors, ref_steps, lr=1e-3 * (k + 1), **kwargs
-        )
+        reference(ref_params, new, ref_moms, factors, ref_steps, lr=1e-3 * (k + 1), **kwargs)
     torch.cuda.synchronize()
     assert_matches(params, ref_params, torch.float32)
     assert_matches(moms, ref_moms, torch.float32)

@@ -73,7 +73,8 @@ def test_noise_sampling_sees_the_unscaled_gradients():
     plain = copy.deepcopy(model)
     plain_optimizer = AdaFisher.from_model(plain, lr=0.0, weight_decay=0.0)
     plain_tracker = SignalTracker(plain_optimizer.collector, plain_optimizer, noise_every=1)
-    optimizer.param_groups[0]["lr"] = 0.0  # same weights in both: same gradients
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # same weights in both: same gradients
     train(model, optimizer, 3)
     train(plain, plain_optimizer, 3)
     for key, probe in tracker._probes.items():

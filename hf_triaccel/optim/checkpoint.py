@@ -1,0 +1,92 @@
+"""AdaFisher's saved state: what a state dict must hold, and how a saved entry is restored.
+
+The torch part of the state dict holds, per param group, ``lr``, ``beta``, ``damping``,
+``weight_decay`` (and ``maximize``, which groups saved before it existed default to
+``False``), and per parameter ``step`` (a one-element float32 tensor, or a number in
+torch's older format) and ``momentum``. The optimizer adds the Fisher factors and the
+refresh schedule under :data:`FISHER_KEY`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from hf_triaccel.optim.functional import compute_dtype
+
+FISHER_KEY = "fisher"
+"""Where the optimizer's state dict keeps the Fisher factors and the refresh schedule."""
+
+GROUP_KEYS = ("lr", "beta", "damping", "weight_decay")
+STATE_KEYS = ("step", "momentum")
+
+
+def check_loadable(state_dict: Mapping[str, Any], owner: str) -> None:
+    """Refuses a state dict that another optimizer wrote, naming what it lacks.
+
+    Args:
+        state_dict: the torch part of the state dict (``state`` and ``param_groups``).
+        owner: the name errors start with.
+
+    Raises:
+        ValueError: an entry is missing.
+
+    Example:
+        >>> adamw = {"state": {0: {"step": 1.0, "exp_avg": 0, "exp_avg_sq": 0}},
+        ...          "param_groups": [{"lr": 1e-3, "beta": 0.9, "damping": 1e-3,
+        ...                            "weight_decay": 0.0, "params": [0]}]}
+        >>> check_loadable(adamw, "AdaFisher.load_state_dict")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: AdaFisher.load_state_dict: the state of parameter 0 has no ['momentum'] ...
+    """
+    missing = [k for k in ("state", "param_groups") if k not in state_dict]
+    if missing:
+        raise ValueError(f"{owner}: the state dict has no {missing} (it has {sorted(state_dict)})")
+    for i, group in enumerate(state_dict["param_groups"]):
+        missing = [k for k in GROUP_KEYS if k not in group]
+        if missing:
+            present = sorted(k for k in group if k != "params")
+            raise ValueError(
+                f"{owner}: param group {i} has no {missing} (it has {present}); "
+                "the state dict was not written by AdaFisher or AdaFisherW"
+            )
+    for pid, entry in state_dict["state"].items():
+        missing = [k for k in STATE_KEYS if k not in entry]
+        if missing:
+            raise ValueError(
+                f"{owner}: the state of parameter {pid} has no {missing} (it has "
+                f"{sorted(entry)}); the state dict was not written by AdaFisher or AdaFisherW"
+            )
+
+
+def restore_states(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Sets each parameter's state from its saved entry, after torch's
+    ``load_state_dict``: torch casts the momentum to the parameter's dtype (a bfloat16
+    one would lose bits) and leaves ``step`` as saved. The restored ``step`` is a
+    float32 tensor, the ``momentum`` of the parameter's compute dtype, both on its
+    device and both copies (torch would share the tensors of an optimizer's live
+    ``state_dict()``).
+
+    Example:
+        >>> p = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+        >>> optimizer = torch.optim.SGD([p])
+        >>> restore_states(optimizer, {"state": {0: {"step": 3, "momentum": torch.ones(2)}},
+        ...                            "param_groups": [{"params": [0]}]})
+        >>> optimizer.state[p]["step"], optimizer.state[p]["momentum"].dtype
+        (tensor(3.), torch.float64)
+    """
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for pid, p in zip(saved_ids, params, strict=True):
+        if pid not in state_dict["state"]:
+            continue
+        saved = state_dict["state"][pid]
+        step = torch.as_tensor(saved["step"], dtype=torch.float32)  # a number in older torch
+        optimizer.state[p] = {
+            "step": step.to(p.device, copy=True),
+            "momentum": saved["momentum"].to(p.device, compute_dtype(p.dtype), copy=True),
+        }
