@@ -23,15 +23,12 @@ in :attr:`TriAccelMixin.triaccel_settings` and are logged once per ``train()``.
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LabelSmoother
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -41,6 +38,7 @@ from hf_triaccel.integrations import trainer_compat
 from hf_triaccel.integrations.elastic import ElasticEvaluation, TrainerElasticBatch
 from hf_triaccel.integrations.optimizers import FACTORIES
 from hf_triaccel.integrations.plugin import check_distributed_support
+from hf_triaccel.integrations.precision_report import PrecisionReport, write_precision_report
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
 from hf_triaccel.integrations.trainer_args import (
     TriAccelArguments,
@@ -60,14 +58,11 @@ from hf_triaccel.integrations.trainer_loss import (
 from hf_triaccel.optim.adafisher import AdaFisher
 from hf_triaccel.optim.groups import no_decay_names
 from hf_triaccel.optim.steering import StepSizeSteering
-from hf_triaccel.precision import PrecisionController, plot_precision_map
+from hf_triaccel.precision import PrecisionController
 
 __all__ = ["TriAccelArguments", "TriAccelMixin", "TriAccelTrainer"]
 
 logger = logging.getLogger(__name__)
-
-PRECISION_MAP_NAME = "precision_map.png"
-SIGNALS_NAME = "signals.json"
 
 
 def _inner(optimizer: Any) -> Any:
@@ -107,7 +102,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
         self._carried_state: dict[str, Any] | None = None
         self._takes_batch: dict[tuple, bool] = {}
         if setting(self.args, "triaccel_precision"):
-            self.add_callback(_PrecisionReport(self))
+            self.add_callback(PrecisionReport(self))
         if uses_adafisher(self.args):
             check_distributed_support(self.accelerator.distributed_type)
             if self.args.torch_compile:
@@ -136,7 +131,6 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
             "optim": optim_name(args),
             "learning_rate": resolve_learning_rate(args),
             "learning_rate_set": args.learning_rate is not None,
-            "weight_decay_excludes": "biases and normalisation weights",
             "elastic_batch": self.elastic is not None,
             "label_smoothing": args.label_smoothing_factor,
         }
@@ -149,13 +143,9 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
     def _log_settings(self) -> None:
         s = self.triaccel_settings
         source = "set" if s["learning_rate_set"] else "the optimizer's default"
-        logger.info(
-            "hf_triaccel: optim=%s, learning_rate=%g (%s), elastic batch %s",
-            s["optim"],
-            s["learning_rate"],
-            source,
-            "on" if s["elastic_batch"] else "off",
-        )
+        on = "on" if s["elastic_batch"] else "off"
+        message = "hf_triaccel: optim=%s, learning_rate=%g (%s), elastic batch %s"
+        logger.info(message, s["optim"], s["learning_rate"], source, on)
 
     # -- optimizer ------------------------------------------------------------------
 
@@ -388,7 +378,9 @@ class TriAccelTrainer(TriAccelMixin, Trainer):
         ...     report_to=[], use_cpu=True, disable_tqdm=True,
         ... )
         >>> trainer = TriAccelTrainer(model=model, args=args, train_dataset=Tokens())
-        >>> trainer.train().global_step
+        >>> output = trainer.train()  # doctest: +ELLIPSIS
+        {'train_runtime': ...}
+        >>> output.global_step
         2
         >>> trainer.triaccel_settings["learning_rate"], trainer.collector.attached
         (0.001, False)
@@ -403,57 +395,3 @@ class TriAccelTrainer(TriAccelMixin, Trainer):
                 "TriAccelArguments accepts every TrainingArguments field"
             )
         super().__init__(model, args, *a, **kw)
-
-
-def _has_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def write_precision_report(
-    folder: str | os.PathLike,
-    precision: PrecisionController,
-    signals: SignalTracker | None,
-    last_step: int,
-) -> None:
-    """The precision map (PNG; skipped with a warning without matplotlib) and the last
-    signals (JSON) in ``folder``."""
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    if not _has_matplotlib():
-        warnings.warn(
-            f"{PRECISION_MAP_NAME} skipped: matplotlib is not installed "
-            "(pip install 'hf-triaccel[hf]')",
-            stacklevel=2,
-        )
-    else:
-        plot_precision_map(precision.events, out / PRECISION_MAP_NAME, last_step=last_step)
-    if signals is not None:
-        (out / SIGNALS_NAME).write_text(json.dumps(signals.as_dict(), indent=2))
-
-
-class _PrecisionReport(TrainerCallback):
-    """Checks for matplotlib when training starts; writes the precision report to
-    ``triaccel_report_dir`` (when set) when it ends."""
-
-    def __init__(self, trainer: TriAccelMixin) -> None:
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and not _has_matplotlib():
-            warnings.warn(
-                "triaccel_precision: matplotlib is not installed, so the precision map "
-                f"({PRECISION_MAP_NAME}) will be skipped; install it with "
-                "pip install 'hf-triaccel[hf]'",
-                stacklevel=2,
-            )
-
-    def on_train_end(self, args, state, control, **kwargs):
-        folder = setting(args, "triaccel_report_dir")
-        trainer = self.trainer
-        if folder is None or not state.is_world_process_zero or trainer.precision is None:
-            return
-        write_precision_report(folder, trainer.precision, trainer.signals, state.global_step)

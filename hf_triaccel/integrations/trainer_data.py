@@ -1,7 +1,7 @@
 """Feeding the Trainer from images held on the device.
 
-The stock Trainer path (a DataLoader over decoded samples, collated on the CPU) ran
-2.9x slower than a device-resident loop on CIFAR-10 (DESIGN.md section 5). Given an
+The stock Trainer path (a DataLoader over decoded samples, collated on the CPU) runs
+several times slower than a device-resident loop on small images (BENCHMARKS.md). Given an
 :class:`~hf_triaccel.data.images.ImageTensors`, :class:`TriAccelTrainer` builds the
 loader below instead: batches are gathered and augmented on the device by
 :class:`~hf_triaccel.data.images.GPUBatchLoader`. It is a real ``DataLoader`` (no

@@ -222,3 +222,33 @@ def test_timm_model_gets_cross_entropy_on_its_logits(tmp_path):
     assert args.label_smoothing_factor == 0.1 and trainer.args is args
     metrics = trainer.evaluate(ImageSet(8, seed=1))
     assert metrics["eval_loss"] > 0
+
+
+def test_peft_lora_model_trains_with_the_same_loss(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM")
+    )
+    common = dict(
+        per_device_train_batch_size=4,
+        max_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    stock = transformers.Trainer(
+        model=model,
+        args=transformers.TrainingArguments(output_dir=str(tmp_path), **common),
+        train_dataset=TokenSet(),
+    )
+    ours = TriAccelTrainer(
+        model=model, args=make_args(tmp_path, **common), train_dataset=TokenSet()
+    )
+    batch = next(iter(stock.get_train_dataloader()))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(ours.compute_loss(model, dict(batch)), stock.compute_loss(model, batch))
+    ours.train()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert sorted(ours.collector.layers) and all("lora_" in n for n in ours.collector.layers)
