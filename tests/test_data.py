@@ -1,4 +1,4 @@
-"""Image data: parquet loading, column detection, and the device-side batch loader."""
+"""Image data: loading through ``datasets``, column detection, and the device-side batch loader."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from hf_triaccel.data.images import GPUBatchLoader, ImageTensors, load_image_dataset
+from hf_triaccel.data import GPUBatchLoader, ImageTensors, is_hub_dataset_id, load_image_dataset
 
 CIFAR10_NAMES = [
     "airplane",
@@ -127,7 +127,7 @@ def test_hub_shards_and_other_schemas(tmp_path, tiny_pixels):
 def test_missing_label_column_is_named(tmp_path, tiny_pixels):
     table = pa.table({"img": [{"bytes": _png(tiny_pixels[0]), "path": None}]})
     pq.write_table(table, tmp_path / "train.parquet")
-    with pytest.raises(ValueError, match=r"no label column.*columns present: \['img'\]"):
+    with pytest.raises(ValueError, match=r"no label column.*--label_column.*present: \['img'\]"):
         load_image_dataset(str(tmp_path), "train")
     with pytest.raises(ValueError, match="label column 'target' not found"):
         load_image_dataset(str(tmp_path), "train", label_column="target")
@@ -147,10 +147,54 @@ def test_images_of_different_sizes_are_refused(tmp_path, tiny_pixels):
         load_image_dataset(str(tmp_path), "train", progress=False)
 
 
-def test_hub_id_without_datasets_says_so(monkeypatch):
+def test_loading_without_datasets_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ImportError, match="needs the `datasets` package"):
-        load_image_dataset("uoft-cs/cifar10", "train")
+        load_image_dataset("embedded", "train")
+
+
+def test_parquet_files_are_read_by_datasets(tmp_path, tiny_pixels, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    calls = []
+    load_dataset = datasets.load_dataset
+
+    def recording_load_dataset(path, *args, **kwargs):
+        calls.append((path, kwargs.get("data_files")))
+        return load_dataset(path, *args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", recording_load_dataset)
+    _write_hub_parquet(tmp_path / "train.parquet", [_png(tiny_pixels[0])], [0], names=["a"])
+    load_image_dataset(str(tmp_path), "train", progress=False)
+    assert calls == [("parquet", [str(tmp_path / "train.parquet")])]
+
+
+def test_class_count_is_checked_before_decoding(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("images decoded before the class check")
+
+    monkeypatch.setattr(datasets.Dataset, "map", no_decoding)
+    with pytest.raises(ValueError, match=r"has 10 classes \(airplane, automobile.*not the 100"):
+        load_image_dataset("embedded", "train", num_classes=100, progress=False)
+
+
+@pytest.mark.parametrize("name", ["cifar10_local", "data/cifar10/extra", "../cifar10"])
+def test_a_name_that_is_neither_a_path_nor_a_hub_id_fails_at_once(name, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("asked the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    with pytest.raises(FileNotFoundError, match=r"no such file or folder.*owner/name"):
+        load_image_dataset(name, "train")
+
+
+def test_hub_dataset_ids():
+    assert is_hub_dataset_id("uoft-cs/cifar10") and is_hub_dataset_id("zh-plus/tiny-imagenet")
+    assert not is_hub_dataset_id("cifar10") and not is_hub_dataset_id("a/b/c")
+    assert not is_hub_dataset_id("../x") and not is_hub_dataset_id("/abs/path")
 
 
 def test_hub_dataset_is_read_from_its_arrow_table(monkeypatch, tiny_pixels):

@@ -1,4 +1,4 @@
-"""The quickstart: flags and a two-step run on the CPU."""
+"""The quickstart: AdaFisherW beside AdamW, its flags, and a short comparison on the CPU."""
 
 from __future__ import annotations
 
@@ -6,27 +6,40 @@ import pytest
 import torch
 from torch import nn
 
+from hf_triaccel import quickstart
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
 from hf_triaccel.quickstart import (
-    CPU_DEFAULT_STEPS,
+    CPU_MODEL_ARGS,
+    CPU_PLAN,
     DEFAULT_HYPERPARAMETERS,
+    GPU_PLAN,
+    autocast,
     build_optimizer,
-    build_precision,
     main,
     parse_args,
-    precision_autocast,
 )
 
 
-def test_cpu_defaults():
+def test_cpu_defaults_compare_adafisherw_and_adamw_on_a_small_model():
     args = parse_args(["--device", "cpu"])
-    assert args.optimizer == "adafisherw"
-    assert (args.lr, args.weight_decay) == DEFAULT_HYPERPARAMETERS["adafisherw"]
-    assert args.max_steps == CPU_DEFAULT_STEPS
-    assert args.epochs == 2 and args.batch_size == 128
-    assert args.bf16 is False
-    adamw = parse_args(["--device", "cpu", "--optimizer", "adamw", "--lr", "0.01"])
-    assert adamw.lr == 0.01 and adamw.weight_decay == 5e-2
+    assert args.optimizers == ["adafisherw", "adamw"]
+    assert args.plan == CPU_PLAN and CPU_PLAN.max_steps == 100 and CPU_PLAN.batch_size == 64
+    assert args.model_args == CPU_MODEL_ARGS and args.bf16 is False
+
+
+def test_gpu_defaults_train_the_recipe_model_for_epochs():
+    args = parse_args(["--device", "cuda"])
+    assert args.plan == GPU_PLAN and GPU_PLAN.max_steps is None and GPU_PLAN.epochs >= 5
+    assert args.model_args == {} and args.bf16 is True
+
+
+def test_flags_override_the_plan():
+    args = parse_args(["--device", "cpu", "--epochs", "3", "--batch_size", "32"])
+    assert (args.plan.epochs, args.plan.batch_size, args.plan.max_steps) == (3, 32, None)
+    args = parse_args(["--device", "cpu", "--optimizers", "adafisher", "--data", "./x"])
+    assert args.optimizers == ["adafisher"] and args.dataset == "./x"
+    with pytest.raises(SystemExit):
+        parse_args(["--optimizers", "adafisherw,sgd"])
 
 
 @pytest.mark.parametrize(
@@ -35,7 +48,8 @@ def test_cpu_defaults():
 )
 def test_build_optimizer(name, cls):
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    optimizer = build_optimizer(name, model, lr=1e-3, weight_decay=0.0)
+    lr, weight_decay = DEFAULT_HYPERPARAMETERS[name]
+    optimizer = build_optimizer(name, model, lr=lr, weight_decay=weight_decay)
     assert type(optimizer) is cls
     model(torch.randn(5, 4)).sum().backward()
     optimizer.step()
@@ -43,39 +57,47 @@ def test_build_optimizer(name, cls):
         build_optimizer("sgd", model, lr=1e-3, weight_decay=0.0)
 
 
-@pytest.mark.parametrize(
-    ("precision", "autocast"), [("bf16", True), ("fp32", False), ("adaptive", True)]
-)
-def test_precision_autocast(precision, autocast):
-    with precision_autocast(torch.device("cpu"), precision):
-        assert torch.is_autocast_enabled("cpu") is autocast
-        assert not autocast or torch.get_autocast_dtype("cpu") == torch.bfloat16
-    with pytest.raises(ValueError, match="unknown precision"):
-        precision_autocast(torch.device("cpu"), "fp16")
+@pytest.mark.parametrize("bf16", [True, False])
+def test_autocast(bf16):
+    with autocast(torch.device("cpu"), bf16):
+        assert torch.is_autocast_enabled("cpu") is bf16
 
 
-def test_build_precision_only_for_adaptive_and_adafisher():
-    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
-    adafisher = build_optimizer("adafisherw", model, lr=1e-3, weight_decay=0.0)
-    assert build_precision("bf16", model, adafisher) is None
-    assert build_precision("fp32", model, adafisher) is None
-    signals, controller = build_precision("adaptive", model, adafisher, signals_every=7)
-    assert signals.every == 7 and controller.tracker is signals
-    assert controller.decisions == {"1": "fp32"}
-    assert controller.policy.fp16_fraction == 0.0
-    controller.remove()
-    signals.remove()
-    adamw = build_optimizer("adamw", model, lr=1e-3, weight_decay=0.0)
-    with pytest.raises(ValueError, match="needs optimizer adafisher or adafisherw"):
-        build_precision("adaptive", model, adamw)
+def test_both_optimizers_train_the_same_model_and_batches_side_by_side(capsys, monkeypatch):
+    initial, plans = [], []
+    real_create, real_loop = quickstart.create_cifar_model, quickstart.train_loop
 
+    def create(*args, **kwargs):
+        model = real_create(*args, **kwargs)
+        initial.append({k: v.clone() for k, v in model.state_dict().items()})
+        return model
 
-def test_two_steps_report_a_test_accuracy(capsys):
+    def loop(model, optimizer, loader, **kwargs):
+        plans.append(loader.epoch_plan(0))
+        return real_loop(model, optimizer, loader, **kwargs)
+
+    monkeypatch.setattr(quickstart, "create_cifar_model", create)
+    monkeypatch.setattr(quickstart, "train_loop", loop)
     results = main(["--max_steps", "2", "--batch_size", "8", "--device", "cpu"])
     out = capsys.readouterr().out
-    assert "epoch 1: train loss" in out
-    assert "test accuracy:" in out and "(1000 images)" in out
-    assert "total time:" in out
-    assert results["steps"] == 2
-    assert 0.0 <= results["test_accuracy"] <= 1.0
-    assert torch.isfinite(torch.tensor(results["epochs"][0]["train_loss"]))
+    runs = results["runs"]
+    assert [run["optimizer"] for run in runs] == ["adafisherw", "adamw"]
+    assert [run["steps"] for run in runs] == [2, 2]
+    assert [run["learning_rate"] for run in runs] == [1e-2, 3e-3]
+    for run in runs:
+        assert 0.0 <= run["test_accuracy"] <= 1.0 and run["train_seconds"] > 0
+        assert f"{100 * run['test_accuracy']:.2f}%" in out
+        assert torch.isfinite(torch.tensor(run["epochs"][0]["train_loss"]))
+    assert runs[0]["parameters"] == runs[1]["parameters"] < 1_000_000
+    # the same initial weights, sample order and augmentation for both optimizers
+    assert all(torch.equal(initial[0][k], initial[1][k]) for k in initial[0])
+    for field in ("order", "offsets", "flips"):
+        assert torch.equal(getattr(plans[0], field), getattr(plans[1], field))
+    assert "optimizer" in out and "test accuracy" in out and "accuracy on 1000 test images" in out
+    assert results["train_seconds"] == pytest.approx(sum(r["train_seconds"] for r in runs))
+
+
+def test_a_dataset_that_is_not_there_fails_before_training(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such file or folder: 'cifar10_local'"):
+        main(["--dataset", "cifar10_local", "--device", "cpu"])

@@ -1,10 +1,9 @@
 """Image classification data held as one uint8 tensor, and a loader that batches it on the device.
 
-Images are decoded once into a ``(N, 3, H, W)`` uint8 tensor that lives on the training
-device; :class:`GPUBatchLoader` shuffles, crops, flips and normalises whole batches there.
-On CIFAR-10 (ResNet-18, batch 512, bf16) the stock Trainer fed by eight ``DataLoader``
-workers ran 2.9x slower than such a GPU-resident loop (DESIGN.md section 5): at 32x32 the
-per-sample Python work of a ``DataLoader``, not the GPU, sets the pace.
+Images are loaded and decoded by ``datasets`` (``load_dataset``, the ``Image`` feature,
+``map``), once, into a ``(N, 3, H, W)`` uint8 tensor that lives on the training device;
+:class:`GPUBatchLoader` shuffles, crops, flips and normalises whole batches there. At
+32x32 the per-sample Python work of a ``DataLoader``, not the GPU, would set the pace.
 
 Example:
     >>> train = load_image_dataset("embedded", "train")
@@ -16,26 +15,15 @@ Example:
 
 from __future__ import annotations
 
-import io
-import json
-import multiprocessing as mp
-import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-IMAGE_COLUMNS = ("img", "image")
-LABEL_COLUMNS = ("label", "fine_label", "labels")
-EMBEDDED_SPLITS = ("train", "test")
+# importable from here too, where the benchmarks and earlier code import it
+from hf_triaccel.data.loading import load_image_dataset
 
-_DECODE_CHUNK = 2048
+__all__ = ["EpochPlan", "GPUBatchLoader", "ImageTensors", "load_image_dataset"]
 
 
 @dataclass
@@ -116,233 +104,6 @@ class ImageTensors:
         return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
 
 
-def load_image_dataset(
-    source: str = "embedded",
-    split: str = "train",
-    *,
-    image_column: str | None = None,
-    label_column: str | None = None,
-    progress: bool = True,
-) -> ImageTensors:
-    """Loads an image classification split and decodes every image once.
-
-    Args:
-        source: where the data comes from:
-
-            - ``"embedded"``: the CIFAR-10 slice shipped with the package
-              (5000 train / 1000 test images, splits ``"train"`` and ``"test"``);
-            - a local folder holding ``{split}.parquet`` (or the Hub's
-              ``{split}-00000-of-000NN.parquet`` shards, in any subfolder);
-            - a path to one ``.parquet`` file (``split`` is then ignored);
-            - a Hugging Face Hub dataset id such as ``"uoft-cs/cifar10"``,
-              ``"uoft-cs/cifar100"`` or ``"zh-plus/tiny-imagenet"`` (needs the
-              ``datasets`` package and the network).
-        split: the split to load.
-        image_column: the image column; found automatically among ``img`` and ``image``.
-        label_column: the label column; found automatically among ``label``,
-            ``fine_label`` and ``labels``.
-        progress: show a progress bar while decoding.
-
-    Returns:
-        The decoded split on the CPU, images as uint8 ``(N, 3, H, W)`` in RGB.
-
-    Raises:
-        FileNotFoundError: a local path that does not exist, or a folder without the split.
-        ValueError: a missing column, or images of different sizes.
-        ImportError: a Hub id without the ``datasets`` package installed.
-        RuntimeError: a Hub dataset that could not be loaded (no network, unknown id).
-
-    Example:
-        >>> test = load_image_dataset("embedded", "test")
-        >>> test.images.shape, test.class_names[:2]
-        (torch.Size([1000, 3, 32, 32]), ['airplane', 'automobile'])
-        >>> cifar100 = load_image_dataset("uoft-cs/cifar100", "test")  # doctest: +SKIP
-    """
-    if source == "embedded":
-        if split not in EMBEDDED_SPLITS:
-            raise ValueError(f"the embedded data has splits {EMBEDDED_SPLITS}, not {split!r}")
-        path = resources.files("hf_triaccel.data") / f"cifar10_{split}.parquet"
-        with resources.as_file(path) as file:
-            return _from_parquet_files([file], image_column, label_column, progress)
-    local = Path(source).expanduser()
-    if local.is_dir():
-        return _from_parquet_files(_split_files(local, split), image_column, label_column, progress)
-    if local.is_file():
-        return _from_parquet_files([local], image_column, label_column, progress)
-    if source.endswith(".parquet") or source.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"no such file or folder: {source}")
-    return _from_hub(source, split, image_column, label_column, progress)
-
-
-def _split_files(folder: Path, split: str) -> list[Path]:
-    """The parquet files of ``split`` in ``folder``: ``{split}.parquet`` or Hub shards."""
-    single = folder / f"{split}.parquet"
-    if single.is_file():
-        return [single]
-    shards = sorted(folder.rglob(f"{split}-*.parquet"))
-    if shards:
-        return shards
-    present = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.parquet"))
-    raise FileNotFoundError(
-        f"no {split}.parquet (or {split}-*.parquet shards) in {folder}; parquet files there: "
-        f"{present or 'none'}"
-    )
-
-
-def _from_parquet_files(
-    files: Sequence[Path],
-    image_column: str | None,
-    label_column: str | None,
-    progress: bool,
-) -> ImageTensors:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.concat_tables([pq.read_table(f) for f in files])
-    image_column, label_column = _pick_columns(table.column_names, image_column, label_column)
-    table = table.select([image_column, label_column])
-    labels = torch.from_numpy(table.column(label_column).to_numpy().astype(np.int64))
-    names = _names_from_metadata(table.schema.metadata, label_column)
-    return _assemble(table.column(image_column), labels, names, progress)
-
-
-def _from_hub(
-    dataset_id: str,
-    split: str,
-    image_column: str | None,
-    label_column: str | None,
-    progress: bool,
-) -> ImageTensors:
-    try:
-        import datasets
-    except ImportError as exc:
-        raise ImportError(
-            f"loading the Hub dataset {dataset_id!r} needs the `datasets` package "
-            "(pip install datasets); a local parquet folder or file needs only pyarrow"
-        ) from exc
-    try:
-        ds = datasets.load_dataset(dataset_id, split=split)
-    except ValueError:
-        # an unknown split: datasets' own message lists the splits that exist
-        raise
-    except Exception as exc:
-        raise RuntimeError(
-            f"could not load {dataset_id!r} (split {split!r}) from the Hugging Face Hub: "
-            f"{type(exc).__name__}: {exc}. Check the dataset id and the network, or pass a "
-            "local folder of parquet files instead"
-        ) from exc
-    image_column, label_column = _pick_columns(ds.column_names, image_column, label_column)
-    feature = ds.features[label_column]
-    names = list(feature.names) if hasattr(feature, "names") else None
-    # the Arrow table holds the encoded bytes: no per-row PIL objects from `datasets`
-    table = ds.select_columns([image_column, label_column]).with_format("arrow")[:]
-    labels = torch.from_numpy(table.column(label_column).to_numpy().astype(np.int64))
-    return _assemble(table.column(image_column), labels, names, progress)
-
-
-def _pick_columns(
-    columns: Sequence[str], image_column: str | None, label_column: str | None
-) -> tuple[str, str]:
-    """Finds the image and label columns among the known schemas, or names what is missing."""
-    picked = []
-    for given, known, role in (
-        (image_column, IMAGE_COLUMNS, "image"),
-        (label_column, LABEL_COLUMNS, "label"),
-    ):
-        if given is not None:
-            if given not in columns:
-                raise ValueError(
-                    f"{role} column {given!r} not found; columns present: {list(columns)}"
-                )
-            picked.append(given)
-            continue
-        found = next((c for c in known if c in columns), None)
-        if found is None:
-            raise ValueError(
-                f"no {role} column: expected one of {list(known)} (or pass {role}_column=...); "
-                f"columns present: {list(columns)}"
-            )
-        picked.append(found)
-    return picked[0], picked[1]
-
-
-def _names_from_metadata(
-    metadata: dict[bytes, bytes] | None, label_column: str
-) -> list[str] | None:
-    """ClassLabel names from the ``huggingface`` schema metadata that ``datasets`` writes."""
-    if not metadata or b"huggingface" not in metadata:
-        return None
-    try:
-        features = json.loads(metadata[b"huggingface"])["info"]["features"]
-        return list(features[label_column]["names"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _assemble(
-    column: Any, labels: torch.Tensor, names: list[str] | None, progress: bool
-) -> ImageTensors:
-    images = _decode_all(column, progress)
-    if names is None:
-        names = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
-    return ImageTensors(images, labels, names)
-
-
-def _decode_one(encoded: dict[str, Any]) -> np.ndarray:
-    from PIL import Image
-
-    data = encoded.get("bytes")
-    image = Image.open(io.BytesIO(data) if data is not None else encoded["path"])
-    if image.mode != "RGB":
-        image = image.convert("RGB")
-    return np.asarray(image)
-
-
-def _decode_rows(rows: list[dict[str, Any]], first: int, size: tuple[int, int]) -> np.ndarray:
-    """Decodes ``rows`` (numbered from ``first``) into uint8 ``(n, H, W, 3)``."""
-    out = np.empty((len(rows), *size, 3), dtype=np.uint8)
-    for i, row in enumerate(rows):
-        pixels = _decode_one(row)
-        if pixels.shape[:2] != size:
-            raise ValueError(
-                f"image {first + i} is {pixels.shape[1]}x{pixels.shape[0]} but image 0 is "
-                f"{size[1]}x{size[0]}: resize the data set to one size first"
-            )
-        out[i] = pixels
-    return out
-
-
-def _decode_all(column: Any, progress: bool) -> torch.Tensor:
-    """Decodes an Arrow column of ``{"bytes", "path"}`` structs into uint8 ``(N, 3, H, W)``."""
-    rows = column.to_pylist()
-    if not rows:
-        raise ValueError("the split holds no images")
-    size = _decode_one(rows[0]).shape[:2]
-    out = np.empty((len(rows), *size, 3), dtype=np.uint8)
-    chunks = range(0, len(rows), _DECODE_CHUNK)
-    bar = tqdm(total=len(rows), desc="decoding images", unit="img", disable=not progress)
-    # Most of the time per small image is Python-level header parsing under the GIL, so
-    # threads do not help (they ran slower than one thread); forked processes do. Spawned
-    # ones would not: each would import torch first, which takes longer than the decoding.
-    workers = min(16, os.cpu_count() or 1)
-    if workers > 1 and len(chunks) > 1 and "fork" in mp.get_all_start_methods():
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
-            futures = {
-                pool.submit(_decode_rows, rows[s : s + _DECODE_CHUNK], s, size): s for s in chunks
-            }
-            for done in as_completed(futures):
-                decoded = done.result()
-                out[futures[done] : futures[done] + len(decoded)] = decoded
-                bar.update(len(decoded))
-    else:
-        for s in chunks:
-            decoded = _decode_rows(rows[s : s + _DECODE_CHUNK], s, size)
-            out[s : s + len(decoded)] = decoded
-            bar.update(len(decoded))
-    bar.close()
-    return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()
-
-
 @dataclass(frozen=True)
 class EpochPlan:
     """One epoch's sample order and per-position augmentation (crop offsets, flips)."""
@@ -385,8 +146,9 @@ class GPUBatchLoader:
         channels_last: return image batches in channels-last memory format.
 
     Example:
-        >>> train = load_image_dataset("embedded", "train")
-        >>> loader = GPUBatchLoader(train, 128, shuffle=True, augment=True, device="cuda")
+        >>> train = load_image_dataset("embedded", "train", progress=False)
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+        >>> loader = GPUBatchLoader(train, 128, shuffle=True, augment=True, device=device)
         >>> for epoch in range(2):  # doctest: +SKIP
         ...     for images, labels in loader:
         ...         ...

@@ -4,13 +4,15 @@ publishing a run's folder to the Hugging Face Hub.
 ``Trainer.create_model_card`` is a fixed template that fails on models without a
 ``.config`` (timm's), so cards are rendered from the Jinja templates in
 ``model_card_templates/`` instead. The card's YAML front matter carries the evaluation
-accuracy as a ``model-index`` entry (``ModelCardData.eval_results``), which the Hub shows
-as the model's results.
+accuracy and the run's efficiency figures (training time, GPU-hours, throughput, peak
+memory) as ``model-index`` results (``ModelCardData.eval_results``), which the Hub shows as
+the model's results, and the emissions from the measured GPU energy as
+``co2_eq_emissions``.
 
 Example:
     >>> card = build_card(results, repo_id="me/cifar10-resnet18")  # doctest: +SKIP
-    >>> card.data.eval_results[0].metric_value  # doctest: +SKIP
-    0.8991
+    >>> [(r.metric_type, r.metric_value) for r in card.data.eval_results]  # doctest: +SKIP
+    [('accuracy', 0.8991), ('training_time_s', 73.25), ...]
     >>> write_card(results, "outputs/cifar10_resnet18")  # doctest: +SKIP
     PosixPath('outputs/cifar10_resnet18/README.md')
 """
@@ -52,21 +54,84 @@ def templates_dir() -> Path:
         return Path(__file__).resolve().parents[2] / "model_card_templates"
 
 
+def card_metrics(results: Mapping[str, Any]) -> list[tuple[str, str, float]]:
+    """The ``(type, name, value)`` of every metric the card's ``model-index`` carries: the
+    accuracy (when the run evaluated), then the training time, GPU-hours, steady training
+    throughput and peak GPU memory (those the run measured), each named with what it counts.
+
+    Example:
+        >>> card_metrics({"eval_accuracy": 0.9, "eval_samples": 1000, "eval_split": "test",
+        ...               "train_runtime_s": 61.5, "gpu_hours": None,
+        ...               "steady_samples_per_second": 812.25, "peak_memory_gb": None})[0]
+        ('accuracy', 'Accuracy (1000 test images)', 0.9)
+    """
+    metrics = []
+    if results.get("eval_accuracy") is not None:
+        name = f"Accuracy ({results['eval_samples']} {results['eval_split']} images)"
+        metrics.append(("accuracy", name, round(float(results["eval_accuracy"]), 4)))
+    for key, kind, name in (
+        ("train_runtime_s", "training_time_s", "Training time (s, evaluations included)"),
+        ("gpu_hours", "gpu_hours", "GPU-hours of training"),
+        (
+            "steady_samples_per_second",
+            "training_samples_per_second",
+            "Training throughput (samples/s, steady state)",
+        ),
+        ("peak_memory_gb", "peak_gpu_memory_gib", "Peak GPU memory (GiB, allocated)"),
+    ):
+        if results.get(key) is not None:
+            metrics.append((kind, name, results[key]))
+    return metrics
+
+
+def co2_eq_emissions(results: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The Hub's ``co2_eq_emissions`` entry from the run's measured GPU energy (grams of
+    CO2-equivalent); ``None`` when the run had no GPU power reading.
+
+    Example:
+        >>> co2_eq_emissions({"co2": {"emissions_g": 12.5, "carbon_intensity_g_per_kwh": 475.0,
+        ...                           "geographical_location": None},
+        ...                   "hardware": "1 x NVIDIA H200"})["emissions"]
+        12.5
+    """
+    co2 = results.get("co2")
+    if not co2:
+        return None
+    entry = {
+        "emissions": co2["emissions_g"],
+        "source": "GPU energy from NVML power readings integrated over the training run "
+        f"(hf_triaccel), at {co2['carbon_intensity_g_per_kwh']:g} g CO2eq/kWh",
+        "training_type": "pre-training",
+        "hardware_used": results["hardware"],
+    }
+    if co2.get("geographical_location"):
+        entry["geographical_location"] = co2["geographical_location"]
+    return entry
+
+
 def card_data(results: Mapping[str, Any], model_name: str) -> ModelCardData:
-    """The card's YAML metadata: library, task, dataset and the accuracy as ``model-index``.
+    """The card's YAML metadata: library, task, data set, every metric of
+    :func:`card_metrics` as ``model-index`` results, and ``co2_eq_emissions``.
 
     Args:
         results: a run's results (see :func:`build_card`).
         model_name: the model's name in ``model-index``.
 
     Example:
-        >>> data = card_data({"dataset_id": "uoft-cs/cifar10", "dataset": "uoft-cs/cifar10",
-        ...                   "title": "CIFAR-10", "eval_split": "test", "eval_accuracy": 0.9,
-        ...                   "settings": {"optim": "adafisher"}}, "cifar10-resnet18")
-        >>> data.to_dict()["model-index"][0]["results"][0]["metrics"][0]["value"]
-        0.9
+        >>> data = card_data({"dataset_id": "uoft-cs/cifar10", "dataset_type": "uoft-cs/cifar10",
+        ...                   "dataset_name": "CIFAR-10", "eval_split": "test",
+        ...                   "train_split": "train", "eval_accuracy": 0.9, "eval_samples": 10000,
+        ...                   "train_runtime_s": 61.5, "settings": {"optim": "adafisher"}},
+        ...                  "cifar10-resnet18")
+        >>> [m["value"] for m in data.to_dict()["model-index"][0]["results"][0]["metrics"]]
+        [0.9, 61.5]
     """
     dataset_id = results.get("dataset_id")
+    dataset = {
+        "dataset_type": results["dataset_type"],
+        "dataset_name": results["dataset_name"],
+        "dataset_split": results.get("eval_split") or results["train_split"],
+    }
     return ModelCardData(
         model_name=model_name,
         license="apache-2.0",
@@ -74,19 +139,18 @@ def card_data(results: Mapping[str, Any], model_name: str) -> ModelCardData:
         pipeline_tag="image-classification",
         tags=["image-classification", "timm", "hf-triaccel", results["settings"]["optim"]],
         datasets=[dataset_id] if dataset_id else None,
-        metrics=["accuracy"],
+        metrics=["accuracy"] if results.get("eval_accuracy") is not None else None,
+        co2_eq_emissions=co2_eq_emissions(results),
         eval_results=[
             EvalResult(
                 task_type="image-classification",
                 task_name="Image Classification",
-                # model-index needs a dataset identifier: a local copy is named by its folder
-                dataset_type=dataset_id or Path(results["dataset"]).name,
-                dataset_name=results["title"],
-                dataset_split=results["eval_split"],
-                metric_type="accuracy",
-                metric_name="Accuracy",
-                metric_value=round(float(results["eval_accuracy"]), 4),
+                **dataset,
+                metric_type=kind,
+                metric_name=name,
+                metric_value=value,
             )
+            for kind, name, value in card_metrics(results)
         ],
     )
 
@@ -100,10 +164,13 @@ def build_card(
     """Renders a run's model card.
 
     Args:
-        results: the run's ``results.json`` content, as written by
-            :func:`hf_triaccel.integrations.recipes.run_recipe`: ``title``, ``model``, ``dataset``,
-            ``dataset_id`` (the Hub id, or ``None`` for local data), ``eval_split``,
-            ``eval_accuracy``, the timing and memory figures, ``device``, ``settings``,
+        results: a run's results, as the recipes write them to ``results.json``:
+            ``title``, ``model``, ``dataset`` (as given), ``dataset_id`` (the Hub data set,
+            or ``None``), ``dataset_type`` / ``dataset_name`` (model-index's identifier and
+            display name), the splits and sample counts, ``eval_accuracy`` (``None`` when
+            not evaluated), the time figures with their ``definitions``, ``gpu_hours``,
+            ``peak_memory_gb``, ``energy`` / ``co2`` (``None`` without a GPU power
+            reading), ``device``, ``hardware``, ``settings``, ``versions``, ``command``,
             and optionally ``baseline`` / ``comparison`` and ``plots``.
         repo_id: the Hub repository the card is for (``user/name``); defaults to the
             name of the run's output folder.

@@ -1,15 +1,17 @@
-"""PNG plots of a training run from its log history: loss, accuracy and memory over wall
-time (beside a baseline run when there is one), and the precision map.
+"""PNG plots of a training run from its log history: loss, accuracy and memory over the
+optimizer steps (beside a baseline run when there is one), and the precision map.
 
-A history is the list of log entries a run recorded, each a dict holding ``wall_time_s``
-(seconds since training started) and the Trainer's log keys: ``loss`` for training logs,
-``eval_loss`` / ``eval_accuracy`` for evaluations, ``peak_memory_gb`` where the telemetry
-measured it (CUDA only). Figures are drawn on matplotlib's Agg canvas, so no display is
-needed and no global backend is changed.
+A history is the list of log entries a run recorded, each a dict holding ``step`` (the
+optimizer step it was logged at: a training log covers the window that ends there, an
+evaluation is the model at that step) and the Trainer's log keys: ``loss`` for training
+logs, ``eval_loss`` / ``eval_accuracy`` for evaluations, ``peak_memory_gb`` where the
+telemetry measured it (CUDA only). Runs with the same schedule line up step for step.
+Figures are drawn on matplotlib's Agg canvas, so no display is needed and no global
+backend is changed.
 
 Example:
-    >>> history = [{"wall_time_s": 1.0, "loss": 2.3}, {"wall_time_s": 2.0, "loss": 1.9},
-    ...            {"wall_time_s": 2.5, "eval_loss": 1.8, "eval_accuracy": 0.41}]
+    >>> history = [{"step": 10, "loss": 2.3}, {"step": 20, "loss": 1.9},
+    ...            {"step": 20, "eval_loss": 1.8, "eval_accuracy": 0.41}]
     >>> plot_run("out", {"adafisher": history})  # doctest: +SKIP
     {'loss': 'loss.png', 'accuracy': 'accuracy.png'}
 """
@@ -29,17 +31,17 @@ PLOT_FILES = {
     "memory": "memory.png",
     "precision_map": "precision_map.png",
 }
-_TIME_LABEL = "wall time since the start of training (s)"
+_STEP_LABEL = "optimizer step"
 
 
 def series(history: History, key: str) -> tuple[list[float], list[float]]:
-    """The ``(wall_time_s, value)`` points of ``key`` in a history, in logging order.
+    """The ``(step, value)`` points of ``key`` in a history, in logging order.
 
     Example:
-        >>> series([{"wall_time_s": 1.0, "loss": 2.0}, {"wall_time_s": 2.0}], "loss")
-        ([1.0], [2.0])
+        >>> series([{"step": 10, "loss": 2.0}, {"step": 20}], "loss")
+        ([10], [2.0])
     """
-    points = [(e["wall_time_s"], e[key]) for e in history if e.get(key) is not None]
+    points = [(e["step"], e[key]) for e in history if e.get(key) is not None]
     return [t for t, _ in points], [v for _, v in points]
 
 
@@ -51,7 +53,7 @@ def _figure(title: str, ylabel: str):
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.set_title(title)
-    ax.set_xlabel(_TIME_LABEL)
+    ax.set_xlabel(_STEP_LABEL)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     return fig, ax

@@ -1,12 +1,19 @@
-"""Tiny stand-ins for the recipes' Hub data sets: parquet folders with the Hub's columns."""
+"""The recipes' modules on the import path, and tiny stand-ins for their Hub data sets:
+parquet folders with the Hub's columns."""
 
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# the recipe scripts import each other by file name, as when run from their folder
+if str(RECIPES_DIR) not in sys.path:
+    sys.path.insert(0, str(RECIPES_DIR))
 
 
 def _jpeg(rng: np.random.Generator, size: int) -> dict[str, bytes | None]:

@@ -24,13 +24,15 @@ TEMPLATES = sorted(templates_dir().glob("*.md"))
 
 
 def sample_results(baseline: bool = True) -> dict:
-    """Results of a GPU run as run_recipe writes them."""
+    """Results of a GPU run as the recipes write them."""
     results = {
         "recipe": "cifar10_resnet18",
         "title": "CIFAR-10",
         "model": "resnet18_cifar",
         "dataset": "uoft-cs/cifar10",
         "dataset_id": "uoft-cs/cifar10",
+        "dataset_type": "uoft-cs/cifar10",
+        "dataset_name": "CIFAR-10",
         "train_split": "train",
         "eval_split": "test",
         "train_samples": 50000,
@@ -42,13 +44,23 @@ def sample_results(baseline: bool = True) -> dict:
         "eval_loss": 0.61,
         "train_runtime_s": 73.25,
         "eval_runtime_s": 6.5,
-        "step_time_ms": 20.18,
-        "samples_per_second": 25371.6,
+        "step_time_ms": 25.17,
+        "samples_per_second": 20341.2,
+        "steady_step_time_ms": 20.18,
+        "steady_samples_per_second": 25371.6,
         "timing_windows": 145,
+        "gpu_hours": 0.020347,
         "peak_memory_gb": 1.331,
+        "energy": {"energy_kwh": 0.0123, "power_readings": 700},
+        "co2": {
+            "emissions_g": 5.843,
+            "carbon_intensity_g_per_kwh": 475.0,
+            "geographical_location": None,
+        },
         "optimizer_steps": 2910,
         "epochs": 30.0,
         "device": "NVIDIA H200",
+        "hardware": "1 x NVIDIA H200",
         "versions": {"hf-triaccel": "0.1.0", "torch": "2.11.0", "triton": None},
         "settings": {
             "optim": "adafisher",
@@ -62,7 +74,7 @@ def sample_results(baseline: bool = True) -> dict:
             "total_batch_size": 512,
             "num_train_epochs": 30.0,
             "max_steps": -1,
-            "precision": "bf16 autocast",
+            "precision": "static bf16 autocast",
             "label_smoothing": 0.1,
             "augmentation": "random crop and flip",
             "seed": 42,
@@ -76,7 +88,7 @@ def sample_results(baseline: bool = True) -> dict:
             },
         },
         "output_dir": "outputs/cifar10_resnet18",
-        "command": "accelerate launch recipes/cifar10_resnet18.py --baseline",
+        "command": "accelerate launch recipes/train.py --recipe cifar10_resnet18 --baseline",
         "baseline": None,
         "comparison": None,
         "plots": {"loss": "loss.png", "accuracy": "accuracy.png", "memory": "memory.png"},
@@ -87,8 +99,8 @@ def sample_results(baseline: bool = True) -> dict:
             "optim": "adamw_torch_fused",
             "eval_accuracy": 0.8885,
             "train_runtime_s": 74.0,
-            "samples_per_second": 25321.0,
-            "step_time_ms": 20.22,
+            "steady_samples_per_second": 25321.0,
+            "steady_step_time_ms": 20.22,
             "peak_memory_gb": 1.38,
             "device": "NVIDIA H200",
             "settings": dict(settings, learning_rate=3e-3, weight_decay=0.05),
@@ -113,6 +125,15 @@ def test_there_are_templates():
     assert TEMPLATES, f"no templates in {templates_dir()}"
 
 
+EXPECTED_METRICS = {
+    "accuracy": ("Accuracy (10000 test images)", 0.8991),
+    "training_time_s": ("Training time (s, evaluations included)", 73.25),
+    "gpu_hours": ("GPU-hours of training", 0.020347),
+    "training_samples_per_second": ("Training throughput (samples/s, steady state)", 25371.6),
+    "peak_gpu_memory_gib": ("Peak GPU memory (GiB, allocated)", 1.331),
+}
+
+
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
 @pytest.mark.parametrize("baseline", [True, False], ids=["baseline", "alone"])
 def test_template_renders_with_parseable_front_matter(template, baseline):
@@ -121,52 +142,97 @@ def test_template_renders_with_parseable_front_matter(template, baseline):
     meta = metadata(card)
     index = meta["model-index"][0]
     assert index["name"] == "cifar10-resnet18"
-    result = index["results"][0]
+    (result,) = index["results"]  # one result: every metric of the same run and data set
     assert result["task"]["type"] == "image-classification"
     assert result["dataset"] == {"name": "CIFAR-10", "type": "uoft-cs/cifar10", "split": "test"}
-    assert result["metrics"][0]["type"] == "accuracy"
-    assert result["metrics"][0]["value"] == 0.8991
+    assert {m["type"]: (m["name"], m["value"]) for m in result["metrics"]} == EXPECTED_METRICS
     assert meta["datasets"] == ["uoft-cs/cifar10"] and meta["library_name"] == "timm"
-    # the Hub's parser reads the same metadata back
-    assert ModelCard(str(card)).data.eval_results[0].metric_value == 0.8991
+    # the Hub's parser reads every metric back
+    parsed = ModelCard(str(card)).data.eval_results
+    assert {r.metric_type: r.metric_value for r in parsed} == {
+        kind: value for kind, (_, value) in EXPECTED_METRICS.items()
+    }
     assert ("## Against the baseline" in card.content) == baseline
+
+
+def test_emissions_come_from_the_measured_energy():
+    card = build_card(sample_results(), repo_id="me/cifar10-resnet18")
+    co2 = metadata(card)["co2_eq_emissions"]
+    assert co2["emissions"] == 5.843 and co2["training_type"] == "pre-training"
+    assert co2["hardware_used"] == "1 x NVIDIA H200" and "475 g CO2eq/kWh" in co2["source"]
+    assert "geographical_location" not in co2
+    assert ModelCard(str(card)).data.co2_eq_emissions == co2
+    assert "0.0123 kWh of GPU energy" in card.content and "5.84 g CO2eq" in card.content
+
+
+def test_no_power_reading_no_emissions_but_a_note():
+    results = sample_results(baseline=False)
+    results.update(energy=None, co2=None, gpu_hours=None, peak_memory_gb=None)
+    card = build_card(results, repo_id="me/x")
+    assert "co2_eq_emissions" not in metadata(card)
+    assert "not estimated: no GPU power reading" in card.content
+    metrics = {m["type"] for m in metadata(card)["model-index"][0]["results"][0]["metrics"]}
+    assert metrics == {"accuracy", "training_time_s", "training_samples_per_second"}
 
 
 def test_card_carries_the_run_figures():
     content = build_card(sample_results(), repo_id="me/cifar10-resnet18").content
     for text in (
         "89.91%",  # accuracy
-        "73.2 s",  # training time
-        "25371.6 samples/s",
-        "20.18 ms",
+        "73.2 s: `Trainer.train()` wall time",
+        "6.5 s in evaluations",
+        "25.17 ms (training time / optimizer steps, evaluations included)",
+        "20.18 ms (median of the 145 logging windows after the first",
+        "25371.6 samples/s at the steady step time; 20341.2 samples/s over the whole",
+        "0.0203 (training time x 1 GPU)",
         "1.331 GiB",
-        "NVIDIA H200",
+        "1 x NVIDIA H200",
         "`adafisher`, learning rate 0.003, weight decay 0.0005",
         "refreshed every 100 steps",
-        "bf16 autocast",
+        "static bf16 autocast",
         "88.85%",  # the baseline's accuracy
         "+1.06 points",
         "0.964x",
         "same command",
         "![memory](memory.png)",
-        'load_trained("me/cifar10-resnet18")',
-        "accelerate launch recipes/cifar10_resnet18.py --baseline",
+        'timm.create_model("hf-hub:me/cifar10-resnet18", pretrained=True)',
+        "import hf_triaccel",
+        'Image.new("RGB", (32, 32))',
+        "accelerate launch recipes/train.py --recipe cifar10_resnet18 --baseline",
     ):
         assert text in content, text
     assert "triton" not in content.split("Versions:")[1]  # versions not installed are left out
+    assert "hf_triaccel.recipes" not in content and "load_trained" not in content
 
 
 def test_card_without_gpu_figures_or_hub_dataset():
     results = sample_results(baseline=False)
-    results.update(peak_memory_gb=None, timing_windows=0, dataset="/data/cifar10", dataset_id=None)
+    results.update(
+        peak_memory_gb=None,
+        timing_windows=0,
+        dataset="/data/cifar10",
+        dataset_id=None,
+        dataset_type="cifar10",
+        dataset_name="cifar10",
+    )
     card = build_card(results)
     meta = metadata(card)
     assert "datasets" not in meta
     assert meta["model-index"][0]["results"][0]["dataset"]["type"] == "cifar10"
     assert meta["model-index"][0]["name"] == "cifar10_resnet18"  # the output folder's name
     assert "| peak GPU memory | n/a" in card.content
-    assert "local copy: `/data/cifar10`" in card.content
-    assert "whole run, evaluations left out" in card.content
+    assert "(local data: `/data/cifar10`)" in card.content
+    assert "too few logging windows for a median" in card.content
+
+
+def test_card_of_a_run_without_evaluation():
+    results = sample_results(baseline=False)
+    results.update(eval_accuracy=None, eval_loss=None, eval_samples=None, eval_split=None)
+    card = build_card(results, repo_id="me/x")
+    (result,) = metadata(card)["model-index"][0]["results"]
+    assert result["dataset"]["split"] == "train"
+    assert "accuracy" not in {m["type"] for m in result["metrics"]}
+    assert "not evaluated" in card.content
 
 
 def test_card_of_a_separate_baseline_run():
@@ -215,7 +281,8 @@ def test_push_creates_the_repo_then_uploads_the_folder_with_its_card(tmp_path, m
     assert upload[1]["folder_path"] == tmp_path
     assert "checkpoint-*/**" in upload[1]["ignore_patterns"]
     # the card now names the full repository id
-    assert 'load_trained("me/cifar10-resnet18")' in (tmp_path / "README.md").read_text()
+    card = (tmp_path / "README.md").read_text()
+    assert 'timm.create_model("hf-hub:me/cifar10-resnet18", pretrained=True)' in card
 
 
 @pytest.mark.parametrize("failing", ["create_repo", "upload_folder"])

@@ -1,4 +1,4 @@
-"""PNG plots of a run and its baseline from their timed log histories."""
+"""PNG plots of a run and its baseline from their log histories, over the optimizer steps."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def history(speed: float, memory: bool) -> list[dict]:
-    """Training logs every step and an evaluation every 4 steps, ``speed`` steps a second."""
+    """Training logs every step and an evaluation every 4 steps, ``speed`` steps a second;
+    each evaluation takes half a second, and is logged when it ends."""
     entries = []
     for step in range(1, 13):
         entry = {"wall_time_s": step / speed, "step": step, "loss": 2.3 / step}
@@ -23,7 +24,8 @@ def history(speed: float, memory: bool) -> list[dict]:
         if step % 4 == 0:
             entries.append(
                 {
-                    "wall_time_s": step / speed + 0.1,
+                    "wall_time_s": step / speed + 0.5,
+                    "step": step,
                     "eval_loss": 2.0 / step,
                     "eval_accuracy": 0.1 * step,
                 }
@@ -31,9 +33,12 @@ def history(speed: float, memory: bool) -> list[dict]:
     return entries
 
 
-def test_series_keeps_the_entries_that_have_the_key():
-    times, values = series(history(2.0, memory=False), "eval_accuracy")
-    assert times == [2.1, 4.1, 6.1] and values == pytest.approx([0.4, 0.8, 1.2])
+def test_points_sit_at_the_step_they_belong_to():
+    # an evaluation is the model at its step, whenever its log arrived
+    steps, values = series(history(2.0, memory=False), "eval_accuracy")
+    assert steps == [4, 8, 12] and values == pytest.approx([0.4, 0.8, 1.2])
+    steps, _ = series(history(2.0, memory=False), "loss")
+    assert steps == list(range(1, 13))
 
 
 def test_run_and_baseline_with_memory_and_precision_map(tmp_path):

@@ -1,0 +1,274 @@
+"""A recipe's configuration (``configs/<name>.yaml``) and the command line of ``train.py``.
+
+A configuration names the data set, its class count, the timm model and the splits. The
+flags are :class:`RecipeArguments` plus every ``TrainingArguments`` /
+``TriAccelArguments`` field, with the defaults of :func:`recipe_defaults`; they are
+checked here, before any data is read.
+
+Example:
+    >>> config = RecipeConfig.load("cifar10_resnet18")
+    >>> config.dataset, config.num_classes, config.model
+    ('uoft-cs/cifar10', 10, 'resnet18_cifar')
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from transformers import HfArgumentParser
+
+from hf_triaccel import TriAccelArguments
+from hf_triaccel.data import is_hub_dataset_id
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+EMBEDDED = "embedded"
+BASELINE_OPTIM = "adamw_torch_fused"
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """What a recipe trains: a data set, its splits and class count, and a timm model.
+
+    Attributes:
+        name: the recipe's name (its config file's stem; default output ``outputs/{name}``).
+        title: the data set's display name, for the model card.
+        dataset: the Hub data set (``--dataset`` can name a local copy instead).
+        num_classes: classes the data must have: other data is refused.
+        model: the timm model name (``--model`` overrides it).
+        train_split: the training split.
+        eval_split: the split evaluated during training and reported.
+
+    Example:
+        >>> RecipeConfig("c100", "CIFAR-100", "uoft-cs/cifar100", 100, "resnet18_cifar").eval_split
+        'test'
+    """
+
+    name: str
+    title: str
+    dataset: str
+    num_classes: int
+    model: str
+    train_split: str = "train"
+    eval_split: str = "test"
+
+    @classmethod
+    def load(cls, recipe: str) -> RecipeConfig:
+        """The configuration ``configs/{recipe}.yaml``, or the YAML file at path ``recipe``.
+
+        Raises:
+            ValueError: no such recipe (the message lists them), or a field missing or unknown.
+        """
+        path = Path(recipe)
+        if path.suffix not in (".yaml", ".yml"):
+            path = CONFIGS_DIR / f"{recipe}.yaml"
+        if not path.is_file():
+            raise ValueError(f"--recipe {recipe!r}: no such recipe; choose one of {available()}")
+        entries = yaml.safe_load(path.read_text()) or {}
+        names = {f.name for f in dataclasses.fields(cls)} - {"name"}
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        unknown, missing = set(entries) - names, required - {"name"} - set(entries)
+        if unknown or missing:
+            raise ValueError(
+                f"recipe config {path}: unknown fields {sorted(unknown)}, missing "
+                f"{sorted(missing)}; its fields are {sorted(names)}"
+            )
+        return cls(name=path.stem, **entries)
+
+
+def available() -> list[str]:
+    """The recipes in ``configs/``.
+
+    Example:
+        >>> "cifar100_resnet18" in available()
+        True
+    """
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+
+
+@dataclass
+class RecipeArguments:
+    """The recipe's own flags; every ``TriAccelArguments`` field is a flag too.
+
+    Example:
+        >>> RecipeArguments(recipe="cifar10_resnet18", baseline=True).baseline_learning_rate
+        0.003
+    """
+
+    recipe: str = field(
+        metadata={"help": f"A recipe name ({', '.join(available())}) or a YAML config path."}
+    )
+    dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub data set id (owner/name), or a local folder of {split}.parquet files "
+            "(or Hub shards) with the Hub's columns, or 'embedded' (the CIFAR-10 slice in "
+            "the package). Default: the recipe's Hub data set."
+        },
+    )
+    hub_dataset_id: str | None = field(
+        default=None,
+        metadata={
+            "help": "The Hub data set a local --dataset folder is a copy of, named in the "
+            "model card; without it the card names the folder."
+        },
+    )
+    image_column: str | None = field(
+        default=None, metadata={"help": "Image column (default: img or image)."}
+    )
+    label_column: str | None = field(
+        default=None, metadata={"help": "Label column (default: label, fine_label or labels)."}
+    )
+    model: str | None = field(default=None, metadata={"help": "timm model name."})
+    baseline: bool = field(
+        default=False,
+        metadata={
+            "help": f"Also train the plain baseline ({BASELINE_OPTIM}, same schedule, batch "
+            "and precision) first, into OUTPUT_DIR/baseline, and compare with it."
+        },
+    )
+    baseline_learning_rate: float = field(
+        default=3e-3, metadata={"help": "Learning rate of the --baseline run."}
+    )
+    baseline_weight_decay: float = field(
+        default=0.05, metadata={"help": "Weight decay of the --baseline run."}
+    )
+    compare_to: str | None = field(
+        default=None,
+        metadata={
+            "help": "A baseline run's results.json (or its folder) to compare with, instead "
+            "of training the baseline again."
+        },
+    )
+    plot: bool = field(
+        default=True, metadata={"help": "Write the PNG plots (--no_plot to skip them)."}
+    )
+    carbon_intensity: float = field(
+        default=475.0,
+        metadata={
+            "help": "Grid carbon intensity in g CO2eq per kWh, to turn the measured GPU "
+            "energy into emissions (default: an assumed world-average grid mix)."
+        },
+    )
+    geographical_location: str | None = field(
+        default=None, metadata={"help": "Where the run trained, for the model card."}
+    )
+
+
+def recipe_defaults(config: RecipeConfig) -> dict[str, Any]:
+    """The defaults a recipe gives its flags; any flag given on the command line wins.
+
+    The optimizer settings are the ones measured on CIFAR-10 with a ResNet-18, batch 512,
+    30 epochs (BENCHMARKS.md). bf16 is on where CUDA is (``--bf16 false`` for a GPU
+    without bf16).
+
+    Example:
+        >>> defaults = recipe_defaults(RecipeConfig.load("cifar10_resnet18"))
+        >>> defaults["optim"], defaults["learning_rate"], defaults["output_dir"]
+        ('adafisher', 0.003, 'outputs/cifar10_resnet18')
+    """
+    return {
+        "dataset": config.dataset,
+        "model": config.model,
+        "output_dir": os.path.join("outputs", config.name),
+        "optim": "adafisher",
+        "learning_rate": 3e-3,
+        "weight_decay": 5e-4,
+        "per_device_train_batch_size": 512,
+        "per_device_eval_batch_size": 1024,
+        "num_train_epochs": 30.0,
+        # one-cycle-like: linear warm-up over the first 30% of the steps, then cosine decay
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 0.3,
+        "label_smoothing_factor": 0.1,
+        "bf16": torch.cuda.is_available(),
+        "eval_strategy": "epoch",
+        "logging_steps": 20,
+        # a checkpoint every epoch would add its write time to the measured training time
+        "save_strategy": "no",
+        # The loss is a per-process mean: DDP's gradient averaging then makes it the global
+        # mean. With batch-wide counting across processes, the Trainer would expect a
+        # per-process loss scaled by the process count, which the plain-model loss is not.
+        "average_tokens_across_devices": False,
+        # every parameter of these models gets a gradient: skip DDP's per-step graph search
+        "ddp_find_unused_parameters": False,
+    }
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+) -> tuple[RecipeConfig, RecipeArguments, TriAccelArguments]:
+    """Parses the flags (``sys.argv[1:]`` by default) over the recipe's defaults and checks
+    them; ``--epochs`` is another name for ``--num_train_epochs``.
+
+    Raises:
+        ValueError: an unknown recipe, a ``--dataset`` that is neither ``embedded``, an
+            existing path nor a Hub id, or flags that contradict each other.
+
+    Example:
+        >>> config, recipe_args, args = parse_args(
+        ...     ["--recipe", "cifar100_resnet18", "--epochs", "5", "--baseline"])
+        >>> config.num_classes, recipe_args.baseline, args.num_train_epochs, args.optim
+        (100, True, 5.0, 'adafisher')
+    """
+    # the recipe first: its configuration gives the other flags their defaults
+    head = argparse.ArgumentParser(add_help=False)
+    head.add_argument("--recipe")
+    recipe = head.parse_known_args(argv)[0].recipe
+    config = RecipeConfig.load(recipe) if recipe else None
+    parser = HfArgumentParser(
+        (RecipeArguments, TriAccelArguments),
+        description="Train a timm image classifier with hf_triaccel"
+        + (f": {config.title}, {config.model}." if config else "."),
+    )
+    parser.add_argument(
+        "--epochs", dest="num_train_epochs", type=float, help="Same as --num_train_epochs."
+    )
+    if config is not None:
+        parser.set_defaults(**recipe_defaults(config))
+    # without --recipe, parsing stops here with the usage and the missing flag
+    recipe_args, args = parser.parse_args_into_dataclasses(args=argv)
+    check_arguments(recipe_args, args)
+    return config, recipe_args, args
+
+
+def check_arguments(recipe_args: RecipeArguments, args: TriAccelArguments) -> None:
+    """Refuses what cannot work before any data is read; warns once about settings that
+    run but do not do what they say on this machine."""
+    dataset = recipe_args.dataset
+    if not (
+        dataset == EMBEDDED or Path(dataset).expanduser().exists() or is_hub_dataset_id(dataset)
+    ):
+        raise ValueError(
+            f"--dataset {dataset!r}: no such file or folder (relative to {Path.cwd()}), and "
+            "not a Hub data set id of the form owner/name (e.g. uoft-cs/cifar10); a local "
+            f"folder needs its path, or '{EMBEDDED}' for the slice in the package"
+        )
+    if recipe_args.hub_dataset_id is not None and not is_hub_dataset_id(recipe_args.hub_dataset_id):
+        raise ValueError(
+            f"--hub_dataset_id {recipe_args.hub_dataset_id!r}: a Hub id has the form owner/name"
+        )
+    if recipe_args.baseline and recipe_args.compare_to:
+        raise ValueError("--baseline and --compare_to both name a baseline: give one of them")
+    if args.device.type != "cpu":
+        return
+    if args.fp16:
+        warnings.warn(
+            "--fp16 on a CPU: float16 autocast there runs slower than fp32 and without a "
+            "loss scaler; use --bf16 true or leave both off",
+            stacklevel=2,
+        )
+    if getattr(args, "elastic_batch", False) or args.auto_find_batch_size:
+        warnings.warn(
+            "--elastic_batch / --auto_find_batch_size without a GPU: there is no device "
+            "memory to follow, so the micro-batch stays per_device_train_batch_size",
+            stacklevel=2,
+        )

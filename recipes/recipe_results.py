@@ -1,0 +1,174 @@
+"""The results of a recipe run (``results.json``), built from the Trainer's efficiency
+report and the run's timed log history, and the comparison with a baseline.
+
+Every time figure names what it includes (:data:`DEFINITIONS`, also written into
+``results.json``). The whole-run figures are the efficiency report's own
+(``efficiency_report.json``), copied, so that the report, ``results.json`` and the model
+card agree; the steady-state figures are the median over logging windows, which leaves
+out the warm-up and the evaluations.
+
+Example:
+    >>> timing = timing_figures({"train_runtime_s": 12.0, "optimizer_steps": 4,
+    ...     "samples_per_second": 40.0, "step_time_ms": 3000.0},
+    ...     [{"step_time_ms": 900.0}, {"step_time_ms": 20.0}, {"step_time_ms": 22.0}],
+    ...     eval_runtime_s=2.0, batch_size=10)
+    >>> timing["steady_step_time_ms"], timing["steady_samples_per_second"]
+    (21.0, 476.19)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_NAME = "results.json"
+HISTORY_NAME = "history.json"
+# the figures of a run that the baseline comparison (results.json, model card) shows
+COMPARED = (
+    "eval_accuracy",
+    "train_runtime_s",
+    "steady_samples_per_second",
+    "steady_step_time_ms",
+    "peak_memory_gb",
+    "device",
+)
+DEFINITIONS = {
+    "train_runtime_s": "wall time of Trainer.train(): training steps, logging and the "
+    "evaluations during training (efficiency_report.json's train_runtime_s)",
+    "eval_runtime_s": "the part of train_runtime_s spent in evaluations",
+    "step_time_ms": "train_runtime_s / optimizer_steps: evaluations included "
+    "(efficiency_report.json's step_time_ms)",
+    "samples_per_second": "training samples / train_runtime_s: evaluations included "
+    "(efficiency_report.json's samples_per_second)",
+    "steady_step_time_ms": "median step time over the logging windows after the first "
+    "(the warm-up), windows with an evaluation left out; without two such windows, "
+    "(train_runtime_s - eval_runtime_s) / optimizer_steps",
+    "steady_samples_per_second": "total batch size / steady_step_time_ms",
+    "gpu_hours": "train_runtime_s x GPUs / 3600",
+    "energy_kwh": "GPU energy over train_runtime_s, summed over the GPUs (NVML power "
+    "readings integrated over time); CPU and memory not counted",
+}
+
+
+def steady_windows(history: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Step times of the logging windows after the first, those that took in an
+    evaluation left out (an evaluation log before a training log falls in its window).
+
+    Example:
+        >>> steady_windows([{"step_time_ms": 900.0}, {"step_time_ms": 20.0},
+        ...                 {"eval_loss": 1.0}, {"step_time_ms": 35.0}, {"step_time_ms": 22.0}])
+        [20.0, 22.0]
+    """
+    times, first, evaluated = [], True, False
+    for entry in history:
+        if "eval_loss" in entry or "eval_accuracy" in entry:
+            evaluated = True
+        elif "step_time_ms" in entry:
+            if not first and not evaluated:
+                times.append(entry["step_time_ms"])
+            first, evaluated = False, False
+    return times
+
+
+def timing_figures(
+    report: Mapping[str, Any],
+    history: Sequence[Mapping[str, Any]],
+    *,
+    eval_runtime_s: float,
+    batch_size: int,
+) -> dict[str, Any]:
+    """The run's time figures (see :data:`DEFINITIONS`).
+
+    Args:
+        report: the Trainer's efficiency report.
+        history: the timed log history.
+        eval_runtime_s: seconds spent in evaluations during training.
+        batch_size: samples per optimizer step, over every process.
+    """
+    windows = steady_windows(history)
+    steps = report["optimizer_steps"]
+    if len(windows) >= 2:
+        steady = statistics.median(windows)
+    else:
+        train_only = report["train_runtime_s"] - eval_runtime_s
+        steady = 1e3 * train_only / steps if steps and train_only > 0 else None
+    return {
+        "train_runtime_s": report["train_runtime_s"],
+        "eval_runtime_s": round(eval_runtime_s, 3),
+        "step_time_ms": report["step_time_ms"],
+        "samples_per_second": report["samples_per_second"],
+        "steady_step_time_ms": None if steady is None else round(steady, 3),
+        "steady_samples_per_second": None if not steady else round(1e3 * batch_size / steady, 2),
+        "timing_windows": len(windows) if len(windows) >= 2 else 0,
+    }
+
+
+def compare(results: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, float | None]:
+    """The run against its baseline: accuracy difference in points, and ratios (run /
+    baseline) of training time, steady throughput and peak memory; ``None`` where a
+    figure is missing.
+
+    Example:
+        >>> compare({"eval_accuracy": 0.9, "train_runtime_s": 90.0,
+        ...          "steady_samples_per_second": 110.0, "peak_memory_gb": None},
+        ...         {"eval_accuracy": 0.88, "train_runtime_s": 100.0,
+        ...          "steady_samples_per_second": 100.0, "peak_memory_gb": 1.0})
+        {'accuracy_points': 2.0, 'train_time_ratio': 0.9, 'throughput_ratio': 1.1, \
+'peak_memory_ratio': None}
+    """
+
+    def ratio(key: str) -> float | None:
+        a, b = results.get(key), baseline.get(key)
+        return a / b if a is not None and b else None
+
+    accuracy = results.get("eval_accuracy"), baseline.get("eval_accuracy")
+    return {
+        "accuracy_points": None
+        if None in accuracy
+        else round(100 * (accuracy[0] - accuracy[1]), 2),
+        "train_time_ratio": ratio("train_runtime_s"),
+        "throughput_ratio": ratio("steady_samples_per_second"),
+        "peak_memory_ratio": ratio("peak_memory_gb"),
+    }
+
+
+def baseline_summary(baseline: Mapping[str, Any], same_run: bool) -> dict[str, Any]:
+    """What ``results.json`` keeps of the baseline run.
+
+    Example:
+        >>> baseline_summary({"settings": {"optim": "adamw_torch_fused"},
+        ...                   "output_dir": "out/baseline"}, True)["optim"]
+        'adamw_torch_fused'
+    """
+    return {
+        "optim": baseline["settings"]["optim"],
+        **{key: baseline.get(key) for key in COMPARED},
+        "settings": baseline["settings"],
+        "source": baseline["output_dir"],
+        "same_run": same_run,
+    }
+
+
+def load_results(path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A finished run's results (``results.json`` or its folder) and its ``history.json``
+    when it sits beside it.
+
+    Example:
+        >>> results, history = load_results("outputs/cifar10_resnet18/baseline")  # doctest: +SKIP
+    """
+    path = Path(path)
+    results_file = path / RESULTS_NAME if path.is_dir() else path
+    if not results_file.is_file():
+        raise FileNotFoundError(f"no run results at {results_file}")
+    history_file = results_file.with_name(HISTORY_NAME)
+    history = json.loads(history_file.read_text()) if history_file.is_file() else []
+    return json.loads(results_file.read_text()), history
+
+
+def write_json(content: Any, path: str | os.PathLike) -> None:
+    """Writes ``content`` as indented JSON."""
+    Path(path).write_text(json.dumps(content, indent=2))

@@ -1,0 +1,433 @@
+"""Train a recipe: one timm image classifier on one data set, with ``TriAccelTrainer`` and
+the efficiency settings on, and everything a published model needs in the output folder.
+
+Usage::
+
+    accelerate launch recipes/train.py --recipe cifar10_resnet18
+    accelerate launch recipes/train.py --recipe cifar10_resnet18 --baseline   # and AdamW
+    python recipes/train.py --recipe cifar10_resnet18 --dataset embedded --max_steps 50
+    python recipes/train.py --recipe tiny_imagenet_resnet18 --help            # every flag
+
+``--recipe`` names a configuration in ``recipes/configs/`` (data set, classes, model,
+splits) or a YAML file of the same fields. A run writes into ``output_dir``:
+
+- ``model.safetensors`` and ``config.json`` (``timm.models.save_for_hf``: architecture,
+  class names, the input size and normalisation): ``timm.create_model("local-dir:DIR",
+  pretrained=True)`` loads it, after ``import hf_triaccel``;
+- ``efficiency_report.json`` (the Trainer's telemetry), ``history.json`` (every log entry
+  with its step and wall time) and ``results.json`` (recipe_results.py);
+- PNG plots over the optimizer steps and the model card ``README.md``;
+- with ``--baseline``, the AdamW (fused) run of the same recipe in ``output_dir/baseline``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import EvalPrediction, TrainerCallback, set_seed
+
+from hf_triaccel import TriAccelArguments, TriAccelTrainer
+from hf_triaccel.data import ImageTensors, load_image_dataset
+from hf_triaccel.data.loading import EMBEDDED_ORIGIN
+from hf_triaccel.integrations.model_card import PushToHubError, push_run, write_card
+from hf_triaccel.integrations.plots import plot_run
+from hf_triaccel.integrations.telemetry import REPORT_NAME
+from hf_triaccel.integrations.timm_models import create_cifar_model, save_model
+
+from recipe_config import (
+    BASELINE_OPTIM,
+    EMBEDDED,
+    RecipeArguments,
+    RecipeConfig,
+    parse_args,
+)
+from recipe_energy import EnergyMeter
+from recipe_results import (
+    DEFINITIONS,
+    HISTORY_NAME,
+    RESULTS_NAME,
+    baseline_summary,
+    compare,
+    load_results,
+    timing_figures,
+    write_json,
+)
+
+logger = logging.getLogger("recipes")
+
+BASELINE_DIR = "baseline"
+
+
+def predicted_classes(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Keeps only the argmax of the logits (the Trainer's ``preprocess_logits_for_metrics``)."""
+    return logits.argmax(dim=-1)
+
+
+def accuracy(prediction: EvalPrediction) -> dict[str, float]:
+    """Top-1 accuracy, the Trainer's ``compute_metrics`` (after :func:`predicted_classes`)."""
+    return {"accuracy": float((prediction.predictions == prediction.label_ids).mean())}
+
+
+class TimedHistory(TrainerCallback):
+    """Every log entry with its ``step`` and ``wall_time_s`` (seconds since training
+    started), the time spent in evaluations during training, and the efficiency report as
+    it stands when training ends."""
+
+    def __init__(self, trainer: TriAccelTrainer) -> None:
+        self.telemetry = trainer.telemetry
+        self.entries: list[dict[str, Any]] = []
+        self.eval_runtime_s = 0.0
+        self.report: dict[str, Any] | None = None
+        self._start = time.perf_counter()
+        self._training = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start, self._training = time.perf_counter(), True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._training = False
+        self.report = self.telemetry.report()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if self._training:
+            self.eval_runtime_s += logs.get("eval_runtime", 0.0)
+        wall = round(time.perf_counter() - self._start, 3)
+        self.entries.append({"wall_time_s": wall, "step": state.global_step, **logs})
+
+
+@dataclass
+class RecipeData:
+    """The decoded splits (``eval`` is ``None`` when the run does not evaluate) and the
+    names the model card gives the data."""
+
+    train: ImageTensors
+    eval: ImageTensors | None
+    identity: dict[str, str | None]
+
+    @classmethod
+    def load(
+        cls, config: RecipeConfig, recipe_args: RecipeArguments, args: TriAccelArguments
+    ) -> RecipeData:
+        """Loads the splits, refusing data without the recipe's number of classes."""
+        source = recipe_args.dataset
+        options = {
+            "image_column": recipe_args.image_column,
+            "label_column": recipe_args.label_column,
+            "num_classes": config.num_classes,
+            "progress": args.process_index == 0,
+        }
+        splits = [config.train_split] + ([config.eval_split] if evaluates(args) else [])
+        try:
+            loaded = [load_image_dataset(source, split, **options) for split in splits]
+        except ValueError as exc:
+            if "classes" not in str(exc):
+                raise
+            raise ValueError(
+                f"recipe {config.name} trains a {config.num_classes}-class {config.title} "
+                f"model: {exc}. Give --dataset a copy of {config.dataset}"
+            ) from exc
+        return cls(loaded[0], loaded[1] if len(loaded) > 1 else None, identity(config, recipe_args))
+
+
+def evaluates(args: TriAccelArguments) -> bool:
+    """Whether the run evaluates at all (``--eval_strategy no`` does not)."""
+    return str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no"
+
+
+def identity(config: RecipeConfig, recipe_args: RecipeArguments) -> dict[str, str | None]:
+    """How the model card names the data: ``dataset_id`` (the Hub data set, when the data
+    is or copies one), ``dataset_type`` (model-index's identifier: the Hub id, else the
+    local data's own name) and ``dataset_name`` (its display name)."""
+    source = recipe_args.dataset
+    if source == EMBEDDED:
+        return {
+            "dataset_id": EMBEDDED_ORIGIN,
+            "dataset_type": EMBEDDED_ORIGIN,
+            "dataset_name": "CIFAR-10, the slice shipped with hf_triaccel",
+        }
+    local = Path(source).expanduser()
+    if local.exists():
+        hub = recipe_args.hub_dataset_id
+        own = local.resolve().name if local.is_dir() else local.stem
+        return {
+            "dataset_id": hub,
+            "dataset_type": hub or own,
+            "dataset_name": f"{config.title} (local copy)" if hub else own,
+        }
+    return {"dataset_id": source, "dataset_type": source, "dataset_name": config.title}
+
+
+def precision_setting(args: TriAccelArguments, controller: Any) -> str:
+    """What computed in which precision: the static autocast, or the adaptive controller's
+    per-module counts at the end of training."""
+    base = "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else "fp32"
+    if controller is None:
+        return f"static {base}"
+    counts = controller.counts()
+    return (
+        f"adaptive per module: {counts['precision_fp32']} modules fp32, "
+        f"{counts['precision_bf16']} bf16, {counts['precision_fp16']} fp16 at the end of "
+        f"training ({counts['precision_changes']} decisions logged); other modules {base}"
+    )
+
+
+def settings(trainer: TriAccelTrainer) -> dict[str, Any]:
+    """The settings a reader needs to judge and repeat the run."""
+    args = trainer.args
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    out: dict[str, Any] = {
+        "optim": str(getattr(args.optim, "value", args.optim)),
+        "learning_rate": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+        "warmup_steps": args.warmup_steps,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "world_size": args.world_size,
+        "total_batch_size": batch * args.world_size,
+        "num_train_epochs": args.num_train_epochs,
+        "max_steps": args.max_steps,
+        "precision": precision_setting(args, trainer.precision),
+        "label_smoothing": trainer.label_smoothing,
+        "augmentation": "random crop (4-pixel zero padding) and horizontal flip, on the device"
+        if args.device_data_augment
+        else "none",
+        "seed": args.seed,
+        "adafisher": None,
+    }
+    if args.uses_adafisher:
+        plugin = args.to_plugin()
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        out["adafisher"] = {
+            "gamma": plugin.gamma,
+            "damping": plugin.damping,
+            "beta": plugin.beta,
+            # the optimizer resolves the default refresh interval from the EMA rule
+            "update_every": getattr(optimizer, "update_every", plugin.update_every),
+            "ema": plugin.ema,
+            "impl": plugin.impl or "auto",
+        }
+    return out
+
+
+def energy(trainer: TriAccelTrainer, meter: EnergyMeter) -> dict[str, Any] | None:
+    """The GPU energy of the run, summed over the processes; ``None`` when a process had
+    no power reading."""
+    joules = meter.joules
+    if trainer.args.world_size > 1:
+        both = torch.tensor([joules or 0.0, float(joules is None)], device=trainer.args.device)
+        both = trainer.accelerator.reduce(both, reduction="sum")
+        joules = None if both[1].item() else both[0].item()
+    if joules is None:
+        return None
+    return {"energy_kwh": round(joules / 3.6e6, 6), "power_readings": meter.readings}
+
+
+@dataclass
+class RunOutcome:
+    """A finished run on the main process: its results, timed history and precision events."""
+
+    results: dict[str, Any]
+    history: list[dict[str, Any]]
+    precision_events: list[Any]
+
+
+def train_and_evaluate(
+    config: RecipeConfig, recipe_args: RecipeArguments, args: TriAccelArguments, data: RecipeData
+) -> RunOutcome | None:
+    """Trains one model, evaluates it (unless ``--eval_strategy no``), and writes its
+    model, ``history.json`` and efficiency report into ``args.output_dir``.
+
+    Returns:
+        The run's outcome on the main process, ``None`` on the others.
+    """
+    set_seed(args.seed)  # the same initial weights for a run and its baseline
+    model = create_cifar_model(recipe_args.model, num_classes=config.num_classes)
+    trainer = TriAccelTrainer(
+        model=model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        compute_metrics=accuracy,
+        preprocess_logits_for_metrics=predicted_classes,
+    )
+    history, meter = TimedHistory(trainer), EnergyMeter()
+    trainer.add_callback(history)
+    trainer.add_callback(meter)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    metrics: dict[str, Any] = {}
+    if data.eval is not None:
+        last = next((e for e in reversed(history.entries) if "eval_accuracy" in e), None)
+        at_end = last is not None and last["step"] == trainer.state.global_step
+        metrics = last if at_end else trainer.evaluate()
+    run_energy = energy(trainer, meter)
+    if not trainer.is_world_process_zero():
+        return None
+    out = Path(args.output_dir)
+    mean, std = data.train.channel_stats()
+    save_model(
+        trainer.accelerator.unwrap_model(trainer.model),
+        out,
+        label_names=data.train.class_names,
+        mean=mean,
+        std=std,
+        input_size=(3, *data.train.images.shape[2:]),
+    )
+    report = history.report
+    write_json(report, out / REPORT_NAME)
+    write_json(history.entries, out / HISTORY_NAME)
+    run_settings = settings(trainer)
+    timing = timing_figures(
+        report,
+        history.entries,
+        eval_runtime_s=history.eval_runtime_s,
+        batch_size=run_settings["total_batch_size"],
+    )
+    gpus = args.world_size if torch.cuda.is_available() else 0
+    results = {
+        "recipe": config.name,
+        "title": config.title,
+        "model": recipe_args.model,
+        "dataset": recipe_args.dataset,
+        **data.identity,
+        "train_split": config.train_split,
+        "eval_split": config.eval_split if data.eval is not None else None,
+        "train_samples": len(data.train),
+        "eval_samples": len(data.eval) if data.eval is not None else None,
+        "num_classes": config.num_classes,
+        "image_size": list(data.train.images.shape[2:]),
+        "normalisation": {"mean": list(mean), "std": list(std)},
+        "eval_accuracy": metrics.get("eval_accuracy"),
+        "eval_loss": metrics.get("eval_loss"),
+        **timing,
+        "gpu_hours": round(timing["train_runtime_s"] * gpus / 3600, 6) if gpus else None,
+        "peak_memory_gb": report.get("peak_memory_gb"),
+        "energy": run_energy,
+        "optimizer_steps": report["optimizer_steps"],
+        "epochs": trainer.state.epoch,
+        "device": report["device"],
+        "hardware": f"{args.world_size} x {report['device']}",
+        "versions": report["versions"],
+        "settings": run_settings,
+        "definitions": DEFINITIONS,
+        "output_dir": str(out),
+    }
+    events = list(trainer.precision.events) if trainer.precision is not None else []
+    return RunOutcome(results, history.entries, events)
+
+
+def baseline_arguments(args: TriAccelArguments, recipe_args: RecipeArguments) -> TriAccelArguments:
+    """The baseline run's arguments: the run's, with fused AdamW and its own learning rate
+    and weight decay, written to ``output_dir/baseline``."""
+    return dataclasses.replace(
+        args,
+        optim=BASELINE_OPTIM,
+        learning_rate=recipe_args.baseline_learning_rate,
+        weight_decay=recipe_args.baseline_weight_decay,
+        output_dir=os.path.join(args.output_dir, BASELINE_DIR),
+        resume_from_checkpoint=None,
+    )
+
+
+def emissions(results: dict[str, Any], recipe_args: RecipeArguments) -> dict[str, Any] | None:
+    """The run's CO2-equivalent emissions from its measured GPU energy, or ``None``."""
+    if results["energy"] is None:
+        return None
+    return {
+        "emissions_g": round(results["energy"]["energy_kwh"] * recipe_args.carbon_intensity, 3),
+        "carbon_intensity_g_per_kwh": recipe_args.carbon_intensity,
+        "geographical_location": recipe_args.geographical_location,
+    }
+
+
+def run_recipe(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Runs a recipe: the baseline first when asked, then the run, its results, plots and
+    model card, then the Hub upload when asked.
+
+    Returns:
+        The run's results (as in ``results.json``) on the main process, ``None`` on others.
+
+    Raises:
+        PushToHubError: ``--push_to_hub`` failed; every output is already written.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config, recipe_args, args = parse_args(argv)
+    push = args.push_to_hub
+    # The Trainer would create the Hub repository when it starts: the push happens here
+    # instead, once every output is written.
+    args = dataclasses.replace(args, push_to_hub=False)
+    data = RecipeData.load(config, recipe_args, args)
+
+    baseline = None
+    if recipe_args.baseline:
+        baseline_args = baseline_arguments(args, recipe_args)
+        outcome = train_and_evaluate(config, recipe_args, baseline_args, data)
+        if outcome is not None:
+            outcome.results["co2"] = emissions(outcome.results, recipe_args)
+            write_json(outcome.results, Path(baseline_args.output_dir) / RESULTS_NAME)
+            baseline = (outcome.results, outcome.history)
+        # free the baseline's model and optimizer before the run measures its own peak
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    elif recipe_args.compare_to:
+        baseline = load_results(recipe_args.compare_to)
+
+    run = train_and_evaluate(config, recipe_args, args, data)
+    if run is None:
+        return None
+    results = run.results
+    results["co2"] = emissions(results, recipe_args)
+    results["command"] = shlex.join(["accelerate", "launch", "recipes/train.py", *argv])
+    results["baseline"] = results["comparison"] = None
+    curves = {results["settings"]["optim"]: run.history}
+    if baseline is not None:
+        base_results, base_history = baseline
+        results["baseline"] = baseline_summary(base_results, same_run=recipe_args.baseline)
+        results["comparison"] = compare(results, base_results)
+        curves[f"{results['baseline']['optim']} (baseline)"] = base_history
+    results["plots"] = {}
+    if recipe_args.plot:
+        results["plots"] = plot_run(
+            args.output_dir,
+            curves,
+            precision_events=run.precision_events,
+            last_step=results["optimizer_steps"],
+        )
+    write_json(results, Path(args.output_dir) / RESULTS_NAME)
+    repo_id = args.hub_model_id or Path(args.output_dir).resolve().name
+    write_card(results, args.output_dir, repo_id=repo_id)
+    logger.info("accuracy %s; outputs in %s", results["eval_accuracy"], args.output_dir)
+    if push:
+        url = push_run(
+            results, args.output_dir, repo_id, token=args.hub_token, private=args.hub_private_repo
+        )
+        logger.info("published %s", url)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The entry point: runs the recipe, returns the exit status (1 when ``--push_to_hub``
+    failed, the reason printed; the outputs stay)."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    try:
+        run_recipe(argv)
+    except PushToHubError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

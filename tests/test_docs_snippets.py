@@ -1,0 +1,93 @@
+"""Every Python block of the documentation runs as written, on the CPU.
+
+The blocks are the ```python fences of README.md and recipes/README.md, and the one of the
+model-card template as a recipe run renders it. Each runs on its own, in a fresh namespace
+in an empty working folder: a block must hold its imports and its small model and data.
+A block whose first line is :data:`GPU_MARK` needs CUDA and is skipped without it. Shell
+blocks (indented, or fenced as anything but python) are not run.
+
+The card's block loads the published model from the Hub (``hf-hub:``); here the Hub is
+offline and its cache holds the run's output folder, as after a download. (That
+``import hf_triaccel`` alone registers the model's architecture with timm is checked in a
+fresh interpreter by tests/test_timm_models.py.)
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "recipes/README.md")
+GPU_MARK = "# Needs a CUDA GPU"
+_FENCE = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """The ``(line, code)`` of every ```python block of a Markdown text."""
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in _FENCE.finditer(text)]
+
+
+def run_block(code: str, name: str) -> None:
+    """Runs a block as a script of its own, skipping it without CUDA when it is marked."""
+    if code.startswith(GPU_MARK) and not torch.cuda.is_available():
+        pytest.skip("the block is marked as needing a CUDA GPU")
+    exec(compile(code, name, "exec"), {"__name__": "__main__"})
+
+
+def doc_blocks() -> list:
+    return [
+        pytest.param(code, id=f"{doc}:{line}")
+        for doc in DOCS
+        for line, code in python_blocks((ROOT / doc).read_text())
+    ]
+
+
+def test_the_harness_finds_the_blocks():
+    assert python_blocks(
+        "text\n```python\nx = 1\n```\n    python -m shell\n```bash\nls\n```\n"
+    ) == [(2, "x = 1\n")]
+    assert len(python_blocks((ROOT / "README.md").read_text())) >= 4
+    assert len(python_blocks((ROOT / "recipes/README.md").read_text())) >= 1
+
+
+@pytest.mark.parametrize("code", doc_blocks())
+def test_doc_block_runs(code, request, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_block(code, request.node.callspec.id)
+
+
+def test_model_card_block_loads_the_published_model(tmp_path, monkeypatch):
+    pytest.importorskip("timm")
+    hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    import train
+
+    out, repo_id = tmp_path / "run", "hf-triaccel-test/cifar10-resnet18"
+    train.run_recipe(
+        [
+            *("--recipe", "cifar10_resnet18", "--dataset", "embedded", "--use_cpu"),
+            *("--output_dir", str(out), "--hub_model_id", repo_id, "--no_plot"),
+            *("--max_steps", "1", "--per_device_train_batch_size", "4"),
+            *("--optim", "adamw_torch", "--eval_strategy", "no", "--disable_tqdm", "true"),
+        ]
+    )
+    (line, code), *others = python_blocks((out / "README.md").read_text())
+    assert not others and f'"hf-hub:{repo_id}"' in code
+    # the Hub's cache after a download of the repository: refs/main -> a snapshot
+    repo = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in ("config.json", "model.safetensors"):
+        shutil.copy(out / file, snapshot / file)
+    monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    run_block(code, f"model card:{line}")
