@@ -1,5 +1,6 @@
-"""The results of a recipe run (``results.json``), built from the Trainer's efficiency
-report and the run's timed log history, and the comparison with a baseline.
+"""The results of a recipe run (``results.json``): how the data is named, the settings as
+they ran, the time figures from the Trainer's efficiency report and the run's timed log
+history, the emissions, and the comparison with a baseline.
 
 Every time figure names what it includes (:data:`DEFINITIONS`, also written into
 ``results.json``). The whole-run figures are the efficiency report's own
@@ -24,6 +25,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from hf_triaccel import TriAccelArguments, TriAccelTrainer
+from hf_triaccel.data.loading import EMBEDDED_ORIGIN
+
+from recipe_config import EMBEDDED, RecipeArguments, RecipeConfig
 
 RESULTS_NAME = "results.json"
 HISTORY_NAME = "history.json"
@@ -104,6 +110,93 @@ def timing_figures(
         "steady_step_time_ms": None if steady is None else round(steady, 3),
         "steady_samples_per_second": None if not steady else round(1e3 * batch_size / steady, 2),
         "timing_windows": len(windows) if len(windows) >= 2 else 0,
+    }
+
+
+def identity(config: RecipeConfig, recipe_args: RecipeArguments) -> dict[str, str | None]:
+    """How the model card names the data: ``dataset_id`` (the Hub data set, when the data
+    is or copies one), ``dataset_type`` (model-index's identifier: the Hub id, else the
+    local data's own name) and ``dataset_name`` (its display name)."""
+    source = recipe_args.dataset
+    if source == EMBEDDED:
+        return {
+            "dataset_id": EMBEDDED_ORIGIN,
+            "dataset_type": EMBEDDED_ORIGIN,
+            "dataset_name": "CIFAR-10, the slice shipped with hf_triaccel",
+        }
+    local = Path(source).expanduser()
+    if local.exists():
+        hub = recipe_args.hub_dataset_id
+        own = local.resolve().name if local.is_dir() else local.stem
+        return {
+            "dataset_id": hub,
+            "dataset_type": hub or own,
+            "dataset_name": f"{config.title} (local copy)" if hub else own,
+        }
+    return {"dataset_id": source, "dataset_type": source, "dataset_name": config.title}
+
+
+def precision_setting(args: TriAccelArguments, controller: Any) -> str:
+    """What computed in which precision: the static autocast, or the adaptive controller's
+    per-module counts at the end of training."""
+    base = "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else "fp32"
+    if controller is None:
+        return f"static {base}"
+    counts = controller.counts()
+    return (
+        f"adaptive per module: {counts['precision_fp32']} modules fp32, "
+        f"{counts['precision_bf16']} bf16, {counts['precision_fp16']} fp16 at the end of "
+        f"training ({counts['precision_changes']} decisions logged); other modules {base}"
+    )
+
+
+def settings(trainer: TriAccelTrainer) -> dict[str, Any]:
+    """The settings a reader needs to judge and repeat the run."""
+    args = trainer.args
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    out: dict[str, Any] = {
+        "optim": str(getattr(args.optim, "value", args.optim)),
+        "learning_rate": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+        "warmup_steps": args.warmup_steps,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "world_size": args.world_size,
+        "total_batch_size": batch * args.world_size,
+        "num_train_epochs": args.num_train_epochs,
+        "max_steps": args.max_steps,
+        "precision": precision_setting(args, trainer.precision),
+        "label_smoothing": trainer.label_smoothing,
+        "augmentation": "random crop (4-pixel zero padding) and horizontal flip, on the device"
+        if args.device_data_augment
+        else "none",
+        "seed": args.seed,
+        "adafisher": None,
+    }
+    if args.uses_adafisher:
+        plugin = args.to_plugin()
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        out["adafisher"] = {
+            "gamma": plugin.gamma,
+            "damping": plugin.damping,
+            "beta": plugin.beta,
+            # the optimizer resolves the default refresh interval from the EMA rule
+            "update_every": getattr(optimizer, "update_every", plugin.update_every),
+            "ema": plugin.ema,
+            "impl": plugin.impl or "auto",
+        }
+    return out
+
+
+def emissions(results: dict[str, Any], recipe_args: RecipeArguments) -> dict[str, Any] | None:
+    """The run's CO2-equivalent emissions from its measured GPU energy, or ``None``."""
+    if results["energy"] is None:
+        return None
+    return {
+        "emissions_g": round(results["energy"]["energy_kwh"] * recipe_args.carbon_intensity, 3),
+        "carbon_intensity_g_per_kwh": recipe_args.carbon_intensity,
+        "geographical_location": recipe_args.geographical_location,
     }
 
 

@@ -38,7 +38,6 @@ from transformers import EvalPrediction, TrainerCallback, set_seed
 
 from hf_triaccel import TriAccelArguments, TriAccelTrainer
 from hf_triaccel.data import ImageTensors, load_image_dataset
-from hf_triaccel.data.loading import EMBEDDED_ORIGIN
 from hf_triaccel.integrations.model_card import PushToHubError, push_run, write_card
 from hf_triaccel.integrations.plots import plot_run
 from hf_triaccel.integrations.telemetry import REPORT_NAME
@@ -46,19 +45,21 @@ from hf_triaccel.integrations.timm_models import create_cifar_model, save_model
 
 from recipe_config import (
     BASELINE_OPTIM,
-    EMBEDDED,
     RecipeArguments,
     RecipeConfig,
     parse_args,
 )
-from recipe_energy import EnergyMeter
+from recipe_energy import EnergyMeter, total_energy
 from recipe_results import (
     DEFINITIONS,
     HISTORY_NAME,
     RESULTS_NAME,
     baseline_summary,
     compare,
+    emissions,
+    identity,
     load_results,
+    settings,
     timing_figures,
     write_json,
 )
@@ -145,95 +146,6 @@ def evaluates(args: TriAccelArguments) -> bool:
     return str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no"
 
 
-def identity(config: RecipeConfig, recipe_args: RecipeArguments) -> dict[str, str | None]:
-    """How the model card names the data: ``dataset_id`` (the Hub data set, when the data
-    is or copies one), ``dataset_type`` (model-index's identifier: the Hub id, else the
-    local data's own name) and ``dataset_name`` (its display name)."""
-    source = recipe_args.dataset
-    if source == EMBEDDED:
-        return {
-            "dataset_id": EMBEDDED_ORIGIN,
-            "dataset_type": EMBEDDED_ORIGIN,
-            "dataset_name": "CIFAR-10, the slice shipped with hf_triaccel",
-        }
-    local = Path(source).expanduser()
-    if local.exists():
-        hub = recipe_args.hub_dataset_id
-        own = local.resolve().name if local.is_dir() else local.stem
-        return {
-            "dataset_id": hub,
-            "dataset_type": hub or own,
-            "dataset_name": f"{config.title} (local copy)" if hub else own,
-        }
-    return {"dataset_id": source, "dataset_type": source, "dataset_name": config.title}
-
-
-def precision_setting(args: TriAccelArguments, controller: Any) -> str:
-    """What computed in which precision: the static autocast, or the adaptive controller's
-    per-module counts at the end of training."""
-    base = "bf16 autocast" if args.bf16 else "fp16 autocast" if args.fp16 else "fp32"
-    if controller is None:
-        return f"static {base}"
-    counts = controller.counts()
-    return (
-        f"adaptive per module: {counts['precision_fp32']} modules fp32, "
-        f"{counts['precision_bf16']} bf16, {counts['precision_fp16']} fp16 at the end of "
-        f"training ({counts['precision_changes']} decisions logged); other modules {base}"
-    )
-
-
-def settings(trainer: TriAccelTrainer) -> dict[str, Any]:
-    """The settings a reader needs to judge and repeat the run."""
-    args = trainer.args
-    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    out: dict[str, Any] = {
-        "optim": str(getattr(args.optim, "value", args.optim)),
-        "learning_rate": args.learning_rate,
-        "weight_decay": args.weight_decay,
-        "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-        "warmup_steps": args.warmup_steps,
-        "per_device_train_batch_size": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "world_size": args.world_size,
-        "total_batch_size": batch * args.world_size,
-        "num_train_epochs": args.num_train_epochs,
-        "max_steps": args.max_steps,
-        "precision": precision_setting(args, trainer.precision),
-        "label_smoothing": trainer.label_smoothing,
-        "augmentation": "random crop (4-pixel zero padding) and horizontal flip, on the device"
-        if args.device_data_augment
-        else "none",
-        "seed": args.seed,
-        "adafisher": None,
-    }
-    if args.uses_adafisher:
-        plugin = args.to_plugin()
-        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        out["adafisher"] = {
-            "gamma": plugin.gamma,
-            "damping": plugin.damping,
-            "beta": plugin.beta,
-            # the optimizer resolves the default refresh interval from the EMA rule
-            "update_every": getattr(optimizer, "update_every", plugin.update_every),
-            "ema": plugin.ema,
-            "impl": plugin.impl or "auto",
-        }
-    return out
-
-
-def energy(trainer: TriAccelTrainer, meter: EnergyMeter) -> dict[str, Any] | None:
-    """The GPU energy of the run, summed over the processes; ``None`` when a process had
-    no power reading."""
-    joules = meter.joules
-    if trainer.args.world_size > 1:
-        both = torch.tensor([joules or 0.0, float(joules is None)], device=trainer.args.device)
-        both = trainer.accelerator.reduce(both, reduction="sum")
-        joules = None if both[1].item() else both[0].item()
-    if joules is None:
-        return None
-    return {"energy_kwh": round(joules / 3.6e6, 6), "power_readings": meter.readings}
-
-
 @dataclass
 class RunOutcome:
     """A finished run on the main process: its results, timed history and precision events."""
@@ -271,7 +183,7 @@ def train_and_evaluate(
         last = next((e for e in reversed(history.entries) if "eval_accuracy" in e), None)
         at_end = last is not None and last["step"] == trainer.state.global_step
         metrics = last if at_end else trainer.evaluate()
-    run_energy = energy(trainer, meter)
+    run_energy = total_energy(trainer, meter)
     if not trainer.is_world_process_zero():
         return None
     out = Path(args.output_dir)
@@ -338,17 +250,6 @@ def baseline_arguments(args: TriAccelArguments, recipe_args: RecipeArguments) ->
         output_dir=os.path.join(args.output_dir, BASELINE_DIR),
         resume_from_checkpoint=None,
     )
-
-
-def emissions(results: dict[str, Any], recipe_args: RecipeArguments) -> dict[str, Any] | None:
-    """The run's CO2-equivalent emissions from its measured GPU energy, or ``None``."""
-    if results["energy"] is None:
-        return None
-    return {
-        "emissions_g": round(results["energy"]["energy_kwh"] * recipe_args.carbon_intensity, 3),
-        "carbon_intensity_g_per_kwh": recipe_args.carbon_intensity,
-        "geographical_location": recipe_args.geographical_location,
-    }
 
 
 def run_recipe(argv: list[str] | None = None) -> dict[str, Any] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,7 @@ pytest.importorskip("matplotlib")
 
 # the recipes' folder is on the import path (conftest.py)
 import recipe_config  # noqa: E402
+import recipe_energy  # noqa: E402
 import recipe_results  # noqa: E402
 import timm  # noqa: E402
 import train  # noqa: E402
@@ -378,3 +380,32 @@ def test_steady_step_time_leaves_out_warm_up_and_evaluations():
 def test_load_results_needs_results(tmp_path):
     with pytest.raises(FileNotFoundError, match="no run results"):
         recipe_results.load_results(tmp_path)
+
+
+def test_energy_integrates_the_power_readings_over_training(monkeypatch):
+    watts = iter([100.0, 300.0, 200.0] + [200.0] * 1000)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda device=None: 1e3 * next(watts))
+    meter = recipe_energy.EnergyMeter(interval_s=0.01)
+    begin = time.perf_counter()
+    meter.on_train_begin(None, None, None)
+    time.sleep(0.1)
+    meter.on_train_end(None, None, None)
+    end = time.perf_counter()
+    samples = meter.samples
+    # the availability probe took the first value (100 W): the run reads 300, 200, 200...
+    assert meter.readings >= 3 and [w for _, w in samples[:2]] == [300.0, 200.0]
+    assert begin <= samples[0][0] and samples[-1][0] <= end
+    (t0, _), (t1, _) = samples[:2]
+    # trapezoids: (300 + 200) / 2 W over the first interval, then a constant 200 W
+    expected = 250.0 * (t1 - t0) + 200.0 * (samples[-1][0] - t1)
+    assert meter.joules == pytest.approx(expected, rel=1e-9)
+
+
+def test_no_power_reading_no_energy(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    meter = recipe_energy.EnergyMeter()
+    meter.on_train_begin(None, None, None)
+    meter.on_train_end(None, None, None)
+    assert meter.joules is None and meter.readings == 0
