@@ -11,7 +11,9 @@ weights) on the same batches and augmentations, under a one-cycle learning-rate 
 with its own measured peak learning rate and weight decay. The images are decoded once
 into a uint8 tensor on the device and batched, augmented and normalised there
 (:class:`~hf_triaccel.data.images.GPUBatchLoader`). It prints each run's test accuracy,
-training time and time per step side by side.
+training time and time per step side by side. On CUDA each optimizer first runs
+:data:`CUDA_WARMUP_STEPS` steps on a throwaway model, so that kernel compilation and
+cuDNN's algorithm search stay out of the timed run.
 
 - On a GPU it trains the CIFAR recipes' model, timm ``resnet18_cifar``, for
   :data:`GPU_PLAN` epochs in bf16.
@@ -68,6 +70,7 @@ class Plan:
 
 GPU_PLAN = Plan(batch_size=256, epochs=15)
 CPU_PLAN = Plan(batch_size=64, epochs=2, max_steps=100)
+CUDA_WARMUP_STEPS = 5
 
 
 def build_optimizer(
@@ -247,35 +250,58 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_one(
-    name: str, args: argparse.Namespace, train_data: ImageTensors, test_data: ImageTensors
-) -> dict[str, Any]:
-    """Trains a fresh model with optimizer ``name``; returns its figures."""
-    device = args.device
-    torch.manual_seed(args.seed)  # the same initial weights for every optimizer
+def _build(
+    name: str, args: argparse.Namespace, train_data: ImageTensors
+) -> tuple[nn.Module, torch.optim.Optimizer, GPUBatchLoader]:
+    """A fresh model (from the seed's initial weights), its optimizer and the training
+    loader (the seed's batches and augmentations)."""
+    torch.manual_seed(args.seed)
     model = create_cifar_model(
         "resnet18_cifar", num_classes=train_data.num_classes, **args.model_args
-    ).to(device)
-    lr, weight_decay = DEFAULT_HYPERPARAMETERS[name]
-    optimizer = build_optimizer(name, model, lr, weight_decay)
+    ).to(args.device)
+    optimizer = build_optimizer(name, model, *DEFAULT_HYPERPARAMETERS[name])
     mean, std = train_data.channel_stats()
-    # the same seed: the same batches and augmentations for every optimizer
-    train_loader = GPUBatchLoader(
+    loader = GPUBatchLoader(
         train_data,
         args.plan.batch_size,
         shuffle=True,
         augment=True,
         drop_last=True,
         seed=args.seed,
-        device=device,
+        device=args.device,
         mean=mean,
         std=std,
     )
-    test_loader = GPUBatchLoader(test_data, 1024, device=device, mean=mean, std=std)
-    if len(train_loader) == 0:
+    if len(loader) == 0:
         raise ValueError(
             f"--batch_size {args.plan.batch_size} exceeds the {len(train_data)} training images"
         )
+    return model, optimizer, loader
+
+
+def train_one(
+    name: str, args: argparse.Namespace, train_data: ImageTensors, test_data: ImageTensors
+) -> dict[str, Any]:
+    """Trains a fresh model with optimizer ``name``; returns its figures."""
+    device = args.device
+    lr, weight_decay = DEFAULT_HYPERPARAMETERS[name]
+    if device.type == "cuda":
+        # CUDA kernels compile and cuDNN picks its algorithms in the first steps: a
+        # throwaway model pays for that, outside the timed run
+        model, optimizer, loader = _build(name, args, train_data)
+        train_loop(
+            model,
+            optimizer,
+            loader,
+            total_steps=CUDA_WARMUP_STEPS,
+            lr=lr,
+            bf16=args.bf16,
+            log=lambda line: None,
+            desc=f"{name} warm-up",
+        )
+    model, optimizer, train_loader = _build(name, args, train_data)
+    mean, std = train_data.channel_stats()
+    test_loader = GPUBatchLoader(test_data, 1024, device=device, mean=mean, std=std)
     total_steps = args.plan.epochs * len(train_loader)
     if args.plan.max_steps is not None:
         total_steps = min(total_steps, args.plan.max_steps)
