@@ -69,7 +69,18 @@ def preconditioner(
 
 
 def _reference_update(
-    params, grads, moms, factors, steps, *, lr, beta, weight_decay, damping, decoupled, maximize
+    params,
+    grads,
+    moms,
+    factors,
+    steps,
+    *,
+    lr,
+    beta,
+    weight_decay,
+    damping,
+    decoupled,
+    maximize=False,
 ) -> None:
     for p, grad, m, fac, step in zip(params, grads, moms, factors, steps, strict=True):
         dtype = m.dtype
@@ -89,7 +100,18 @@ def _reference_update(
 
 
 def _foreach_update(
-    params, grads, moms, factors, steps, *, lr, beta, weight_decay, damping, decoupled, maximize
+    params,
+    grads,
+    moms,
+    factors,
+    steps,
+    *,
+    lr,
+    beta,
+    weight_decay,
+    damping,
+    decoupled,
+    maximize=False,
 ) -> None:
     """The ``_foreach`` update of tensors that share one compute dtype (their momenta's)."""
     dtype = moms[0].dtype

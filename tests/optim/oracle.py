@@ -1,5 +1,6 @@
-"""A plain float64 implementation of DESIGN.md section 3, written independently of the
-package, for a Conv2d / BatchNorm2d / Linear model. Tests compare the package to it."""
+"""A plain float64 implementation of AdaFisher (docs/design.md, "AdaFisher"), written
+independently of the package, for a Conv2d / BatchNorm2d / Linear model. Tests compare
+the package to it."""
 
 from __future__ import annotations
 
