@@ -50,11 +50,13 @@ def test_adaptive_run_records_the_precision_map(train_cifar, tmp_path):
     assert set(counts) == {"fp32", "bf16", "fp16"}
     assert sum(counts.values()) == NORMS + RANKED == len(adaptive["decisions"])
     assert counts["fp16"] == 0  # bf16 autocast around the model: no loss scaler, no fp16
-    # fp32, besides the normalisation layers: the most sensitive modules within a small
-    # share of the compute, far from all of them
+    # fp32 modules are a prefix of the sensitivity ranking whose compute up to the last
+    # one's middle is under fp32_fraction, so they hold under twice that share (none when
+    # the first alone is larger): the count of ranked fp32 modules may be zero
     shares = adaptive["compute_shares"]
-    assert NORMS < counts["fp32"] < NORMS + RANKED
-    assert 0.0 < shares["fp32"] < 0.03 and sum(shares.values()) == pytest.approx(1.0)
+    fraction = adaptive["policy"]["fp32_fraction"]
+    assert NORMS <= counts["fp32"] < NORMS + RANKED
+    assert shares.get("fp32", 0.0) < 2 * fraction and sum(shares.values()) == pytest.approx(1.0)
     assert adaptive["changes"] == NORMS + RANKED
     assert adaptive["changes_by_reason"] == {"norm": NORMS, "initial": RANKED}
     assert adaptive["rankings"] == 1
