@@ -83,7 +83,7 @@ def test_both_optimizers_train_the_same_model_and_batches_side_by_side(capsys, m
     runs = results["runs"]
     assert [run["optimizer"] for run in runs] == ["adafisherw", "adamw"]
     assert [run["steps"] for run in runs] == [2, 2]
-    assert [run["learning_rate"] for run in runs] == [1e-2, 3e-3]
+    assert [run["learning_rate"] for run in runs] == [3e-3, 3e-3]
     for run in runs:
         assert 0.0 <= run["test_accuracy"] <= 1.0 and run["train_seconds"] > 0
         assert f"{100 * run['test_accuracy']:.2f}%" in out

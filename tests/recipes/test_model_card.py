@@ -162,7 +162,7 @@ def test_emissions_come_from_the_measured_energy():
     assert co2["hardware_used"] == "1 x NVIDIA H200" and "475 g CO2eq/kWh" in co2["source"]
     assert "geographical_location" not in co2
     assert ModelCard(str(card)).data.co2_eq_emissions == co2
-    assert "0.0123 kWh of GPU energy" in card.content and "5.84 g CO2eq" in card.content
+    assert "0.0123 kWh of GPU energy" in card.content and "5.84 g CO2eq at 475.0" in card.content
 
 
 def test_no_power_reading_no_emissions_but_a_note():
