@@ -8,6 +8,11 @@ defaults and validation) with the controllers' settings added; the optimizer is 
 :func:`~hf_triaccel.integrations.optimizers.build_adafisher`, as in ``TriAccelTrainer``,
 with the same parameter groups. Settings come from the fields only: the one environment
 variable hf_triaccel reads is ``HF_TRIACCEL_IMPL`` (the kernel implementation).
+
+As in ``TriAccelTrainer``, a model with 2-D convolutions is put in channels_last
+(``channels_last``; the loop feeds it batches through :meth:`TriAccelPrepared.batch`), and
+a compiled model (``torch.compile(model)``, or an ``Accelerator`` with a dynamo backend)
+runs its refresh steps eagerly (:mod:`~hf_triaccel.integrations.compiled`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from torch import nn
 
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.signals import SignalTracker
+from hf_triaccel.integrations.compiled import eager_module, route_refresh_steps
+from hf_triaccel.integrations.layout import channels_last_batch, to_channels_last
 from hf_triaccel.integrations.optimizers import build_adafisher, optimizer_name
 from hf_triaccel.optim.adafisher import AdaFisher
 from hf_triaccel.optim.config import AdaFisherConfig
@@ -85,6 +92,13 @@ class TriAccelPlugin(AdaFisherConfig):
         metadata={
             "help": "Per-module step-size scale from the curvature signal, re-decided every "
             "signals_every steps (experimental)."
+        },
+    )
+    channels_last: bool = field(
+        default=True,
+        metadata={
+            "help": "Put a model with 2-D convolutions in channels_last memory format (feed "
+            "it batches through TriAccelPrepared.batch); other models are left as they are."
         },
     )
 
@@ -198,7 +212,11 @@ def _checkpoint_with(optimizer: torch.optim.Optimizer, key: str, **parts: Any) -
 
 @dataclass
 class TriAccelPrepared:
-    """What :func:`prepare_triaccel` returns: the prepared objects and the controllers."""
+    """What :func:`prepare_triaccel` returns: the prepared objects and the controllers.
+
+    ``channels_last`` tells whether the model was put in channels_last; :meth:`batch`
+    gives a batch the same layout.
+    """
 
     model: nn.Module
     optimizer: Any
@@ -207,6 +225,20 @@ class TriAccelPrepared:
     signals: SignalTracker | None = None
     precision: PrecisionController | None = None
     steering: StepSizeSteering | None = None
+    channels_last: bool = False
+
+    def batch(self, batch: Any) -> Any:
+        """``batch`` (a tensor, or a mapping, list or tuple of them) with its 4-D image
+        tensors in channels_last when the model is (see
+        :func:`~hf_triaccel.integrations.layout.channels_last_batch`), else as it is.
+
+        Example:
+            >>> from accelerate import Accelerator
+            >>> run = prepare_triaccel(Accelerator(cpu=True), nn.Conv2d(3, 4, 3))
+            >>> run.channels_last, run.batch(torch.zeros(2, 3, 8, 8)).is_contiguous()
+            (True, False)
+        """
+        return channels_last_batch(batch) if self.channels_last else batch
 
 
 def check_distributed_support(distributed_type: DistributedType) -> None:
@@ -229,9 +261,16 @@ def prepare_triaccel(
 ) -> TriAccelPrepared:
     """Builds AdaFisher for ``model`` and prepares everything with ``accelerator``.
 
+    A model with 2-D convolutions is put in channels_last (``plugin.channels_last``):
+    feed it ``run.batch(batch)``. A compiled model (``torch.compile(model, ...)``) is
+    prepared as its eager module (hooks, DDP, autocast) and compiled again with the same
+    settings; refresh steps then run the eager module (see
+    :func:`~hf_triaccel.integrations.compiled.route_refresh_steps`), as do those of a
+    model the ``Accelerator``'s dynamo backend compiles.
+
     Args:
         accelerator: the run's ``Accelerator`` (single device or DDP).
-        model: the model, not yet prepared.
+        model: the model, not yet prepared (or its ``torch.compile`` wrapper).
         plugin: settings (default: ``TriAccelPlugin()``, every field at its default).
         *others: more objects to prepare in the same call (dataloaders, scheduler).
         params: parameters or param groups for the optimizer (default: all trainable).
@@ -249,6 +288,9 @@ def prepare_triaccel(
     """
     plugin = plugin or TriAccelPlugin()
     check_distributed_support(accelerator.distributed_type)
+    compiled, eager = model, eager_module(model)
+    model = model if eager is None else eager  # hooks and controllers on the eager modules
+    channels_last = plugin.channels_last and to_channels_last(model)
     optimizer = plugin.build_optimizer(model, params, grad_scaler=accelerator.scaler)
     signals, precision = plugin.build_precision(
         model, optimizer, fp16=accelerator.mixed_precision == "fp16"
@@ -256,7 +298,12 @@ def prepare_triaccel(
     steering = plugin.build_steering(optimizer, signals)
     if steering is not None:
         signals = steering.tracker
-    prepared = accelerator.prepare(model, optimizer, *others)
+    prepared = list(accelerator.prepare(model, optimizer, *others))
+    if eager is not None and eager_module(prepared[0]) is None:
+        # the user's compile settings, around the prepared (DDP, autocast) module
+        prepared[0] = compiled.dynamo_ctx(prepared[0])
+    if eager_module(prepared[0]) is not None:
+        route_refresh_steps(prepared[0], optimizer.collector)
     return TriAccelPrepared(
         prepared[0],
         prepared[1],
@@ -265,4 +312,5 @@ def prepare_triaccel(
         signals,
         precision,
         steering,
+        channels_last,
     )

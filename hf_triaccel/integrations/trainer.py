@@ -14,7 +14,11 @@ The mixin works through the Trainer's own extension points:
   runs and removed when it returns (a later ``train()`` rebuilds them, the optimizer
   state carried over);
 * the elastic batch (``training_step``, ``prediction_step``), telemetry and reports
-  (callbacks), and the device image loader (``get_*_dataloader``).
+  (callbacks), and the device image loader (``get_*_dataloader``);
+* the layout: conv models and their image batches in channels_last (:mod:`.layout`),
+  ``save_model`` (checkpoints, Hub pushes) writing contiguous weights;
+* ``torch_compile``: refresh steps run the eager module (:mod:`.compiled`), the
+  compilation time logged as ``compile_seconds``.
 
 The caller's arguments are never changed: resolved values (the learning rate, ...) live
 in :attr:`TriAccelMixin.triaccel_settings` and are logged once per ``train()``.
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -33,9 +36,14 @@ from transformers.trainer_pt_utils import LabelSmoother
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_triaccel.curvature.signals import SignalTracker
-from hf_triaccel.data.images import ImageTensors
 from hf_triaccel.integrations import trainer_compat
+from hf_triaccel.integrations.compiled import CompileClock, eager_module, step_module
 from hf_triaccel.integrations.elastic import ElasticEvaluation, TrainerElasticBatch
+from hf_triaccel.integrations.layout import (
+    channels_last_batch,
+    contiguous_weights,
+    to_channels_last,
+)
 from hf_triaccel.integrations.optimizers import FACTORIES
 from hf_triaccel.integrations.plugin import check_distributed_support
 from hf_triaccel.integrations.precision_report import PrecisionReport, write_precision_report
@@ -49,7 +57,7 @@ from hf_triaccel.integrations.trainer_args import (
     setting,
     uses_adafisher,
 )
-from hf_triaccel.integrations.trainer_data import DeviceImageDataLoader
+from hf_triaccel.integrations.trainer_data import DeviceImagesMixin
 from hf_triaccel.integrations.trainer_loss import (
     fallback_loss,
     forward_parameters,
@@ -72,7 +80,7 @@ def _inner(optimizer: Any) -> Any:
     return optimizer
 
 
-class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
+class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin):
     """hf_triaccel for any ``transformers.Trainer`` subclass (TRL's included): put it
     first, ``class MyTrainer(TriAccelMixin, SFTTrainer)``.
 
@@ -87,6 +95,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
         if init_args is not args:
             self.args = args  # the caller's object; the loss applies its label smoothing
             self.label_smoother = LabelSmoother(epsilon=args.label_smoothing_factor)
+        self._convert_layout(self.model)
         if self.model is not None and not self.label_names and not self._var_keyword():
             self.label_names = ["labels"]  # a forward without **kwargs names no labels
         self.telemetry = EfficiencyTelemetry()
@@ -105,13 +114,10 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
             self.add_callback(PrecisionReport(self))
         if uses_adafisher(self.args):
             check_distributed_support(self.accelerator.distributed_type)
-            if self.args.torch_compile:
-                warnings.warn(
-                    "torch_compile with AdaFisher: the Fisher statistics hooks run Python on "
-                    "refresh steps, which breaks the compiled graph there; steps in between "
-                    "run compiled",
-                    stacklevel=2,
-                )
+        self.compile_clock: CompileClock | None = None
+        if self.args.torch_compile:
+            self.compile_clock = CompileClock(self.args.device)
+            self.telemetry.add_provider(self.compile_clock.metrics, "compile")
         if setting(self.args, "elastic_batch") or self.args.auto_find_batch_size:
             self.enable_elastic_batch(
                 min_micro_batch=setting(self.args, "elastic_min_micro_batch"),
@@ -120,6 +126,24 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
 
     def _var_keyword(self) -> bool:
         return forward_parameters(self.model)[1]
+
+    # -- layout ---------------------------------------------------------------------
+
+    def _convert_layout(self, model: torch.nn.Module | None) -> None:
+        """Puts a model with 2-D convolutions in channels_last (``triaccel_channels_last``)
+        and records whether batches follow. Sharded models (FSDP, DeepSpeed) keep their
+        layout: their wrappers flatten the parameters."""
+        sharded = getattr(self, "is_fsdp_enabled", False) or getattr(
+            self, "is_deepspeed_enabled", False
+        )
+        wanted = setting(self.args, "triaccel_channels_last") and not sharded
+        self.channels_last = bool(wanted and model is not None and to_channels_last(model))
+
+    def call_model_init(self, trial=None):
+        """The Trainer's ``call_model_init``, the new model put in the training layout."""
+        model = super().call_model_init(trial)
+        self._convert_layout(model)
+        return model
 
     # -- settings -------------------------------------------------------------------
 
@@ -183,7 +207,9 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
             )
         optimizer = super().create_optimizer(model)
         inner = _inner(optimizer)
-        unwrapped = self.accelerator.unwrap_model(self.model if model is None else model)
+        unwrapped = self.accelerator.unwrap_model(
+            self.model if model is None else model, keep_torch_compile=False
+        )
         plugin = plugin_from_args(self.args)
         if not isinstance(inner, AdaFisher):
             if plugin.precision or plugin.lr_steering:
@@ -243,19 +269,20 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
         return_outputs: bool = False,
         num_items_in_batch=None,
     ):
-        unwrapped = self.accelerator.unwrap_model(model)
+        # the signature of the model's own forward, not of a compile wrapper's
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        signature = forward_parameters(unwrapped)
         key = (type(unwrapped), tuple(inputs))
         stock = self._takes_batch.get(key)
         if stock is None:
-            stock = self._takes_batch[key] = takes_whole_batch(
-                forward_parameters(unwrapped), inputs
-            )
+            stock = self._takes_batch[key] = takes_whole_batch(signature, inputs)
         if stock:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss, outputs = fallback_loss(
             model,
             inputs,
             self.label_names,
+            signature=signature,
             label_smoothing=self.args.label_smoothing_factor,
             compute_loss_func=self.compute_loss_func,
             num_items_in_batch=num_items_in_batch,
@@ -279,11 +306,26 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
         return self.elastic
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's step (or the elastic batch's), on a channels-last batch when the
+        model is channels-last; under ``torch_compile``, a refresh step calls the eager
+        module (see :mod:`~hf_triaccel.integrations.compiled`)."""
+        if self.channels_last:
+            inputs = channels_last_batch(inputs)
+        chosen = step_module(model, self.collector)
+        if self.compile_clock is None or eager_module(chosen) is None:
+            return self._training_step(chosen, inputs, num_items_in_batch)
+        return self.compile_clock.time(
+            lambda: self._training_step(chosen, inputs, num_items_in_batch)
+        )
+
+    def _training_step(self, model, inputs, num_items_in_batch):
         if self.elastic is None:
             return super().training_step(model, inputs, num_items_in_batch)
         return self.elastic.training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self.channels_last:
+            inputs = channels_last_batch(inputs)
         if self.eval_pieces is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         step = super().prediction_step
@@ -296,56 +338,17 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's ``save_model``; called by the user after training, it also writes
         the efficiency report (and the precision report) beside the model. Checkpoints
-        (``_internal_call``) hold what transformers writes."""
-        super().save_model(output_dir, _internal_call)
+        (``_internal_call``) hold what transformers writes. Weights are written
+        contiguous (safetensors refuses channels-last convolution weights); the model
+        keeps its layout."""
+        with contiguous_weights(self.model):
+            super().save_model(output_dir, _internal_call)
         if _internal_call or not self.is_world_process_zero() or self.state.global_step == 0:
             return
         folder = output_dir or self.args.output_dir
         self.telemetry.write_report(folder)
         if self.precision is not None:
             write_precision_report(folder, self.precision, self.signals, self.state.global_step)
-
-    # -- data -----------------------------------------------------------------------
-
-    def get_train_dataloader(self):
-        if not isinstance(self.train_dataset, ImageTensors):
-            return super().get_train_dataloader()
-        return self._device_loader(
-            self.train_dataset,
-            trainer_compat.train_batch_size(self),
-            shuffle=True,
-            augment=setting(self.args, "device_data_augment"),
-            drop_last=self.args.dataloader_drop_last,
-        )
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        if not isinstance(dataset, ImageTensors):
-            return super().get_eval_dataloader(eval_dataset)
-        return self._device_loader(
-            dataset, self.args.eval_batch_size, shuffle=False, augment=False, drop_last=False
-        )
-
-    def _device_loader(self, data: ImageTensors, batch_size: int, **kwargs):
-        """Batches built on the device, normalised with the training set's statistics."""
-        stats = self.train_dataset if isinstance(self.train_dataset, ImageTensors) else data
-        # computed once: each evaluation builds a new loader, and the statistics take a
-        # pass over every training image
-        cached = getattr(self, "_pixel_stats", None)
-        if cached is None or cached[0] is not stats:
-            self._pixel_stats = cached = (stats, stats.channel_stats())
-        mean, std = cached[1]
-        return DeviceImageDataLoader(
-            data,
-            batch_size,
-            rank=self.args.process_index,
-            world=self.args.world_size,
-            device=self.args.device,
-            seed=self.args.seed,
-            mean=mean,
-            std=std,
-            **kwargs,
-        )
 
 
 class TriAccelTrainer(TriAccelMixin, Trainer):

@@ -193,6 +193,15 @@ class TriAccelArguments(TrainingArguments):
         default=0.9,
         metadata={"help": "Elastic batch: peak memory target, as a share of what the GPU gives."},
     )
+    triaccel_channels_last: bool = field(
+        default=True,
+        metadata={
+            "help": "A model with 2-D convolutions, and the 4-D image batches fed to it, in "
+            "channels_last memory format (cuDNN's fastest convolutions in bf16/fp16); models "
+            "without them are left as they are. Saved weights stay contiguous either way. "
+            "Off: the model keeps the layout it was given."
+        },
+    )
     device_data_augment: bool = field(
         default=True,
         metadata={
@@ -297,4 +306,5 @@ def plugin_from_args(args: TrainingArguments) -> TriAccelPlugin:
         fp32_fraction=setting(args, "triaccel_fp32_fraction"),
         fp16_fraction=setting(args, "triaccel_fp16_fraction"),
         lr_steering=setting(args, "triaccel_lr_steering"),
+        channels_last=setting(args, "triaccel_channels_last"),
     )

@@ -6,7 +6,8 @@ several times slower than a device-resident loop on small images (BENCHMARKS.md)
 loader below instead: batches are gathered and augmented on the device by
 :class:`~hf_triaccel.data.images.GPUBatchLoader`. It is a real ``DataLoader`` (no
 workers), so the Trainer's epoch handling and its skipping of already-seen batches on
-resume work unchanged.
+resume work unchanged. Its batches are channels-last when the trainer put the model in
+that layout (``triaccel_channels_last``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from hf_triaccel.data.images import EpochPlan, GPUBatchLoader, ImageTensors
+from hf_triaccel.integrations import trainer_compat
+from hf_triaccel.integrations.trainer_args import setting
 
 
 class _EpochState:
@@ -127,3 +130,51 @@ class DeviceImageDataLoader(DataLoader):
 def _identity(batch):
     """The dataset already returns whole batches."""
     return batch
+
+
+class DeviceImagesMixin:
+    """Trainer mixin: an :class:`~hf_triaccel.data.images.ImageTensors` train or eval
+    dataset is fed by a :class:`DeviceImageDataLoader` (batch, shards and seed from the
+    arguments, normalised with the training set's statistics, channels-last when the
+    trainer's ``channels_last`` is set); other datasets by the Trainer's own loaders."""
+
+    def get_train_dataloader(self):
+        if not isinstance(self.train_dataset, ImageTensors):
+            return super().get_train_dataloader()
+        return self._device_loader(
+            self.train_dataset,
+            trainer_compat.train_batch_size(self),
+            shuffle=True,
+            augment=setting(self.args, "device_data_augment"),
+            drop_last=self.args.dataloader_drop_last,
+        )
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if not isinstance(dataset, ImageTensors):
+            return super().get_eval_dataloader(eval_dataset)
+        return self._device_loader(
+            dataset, self.args.eval_batch_size, shuffle=False, augment=False, drop_last=False
+        )
+
+    def _device_loader(self, data: ImageTensors, batch_size: int, **kwargs):
+        """Batches built on the device, normalised with the training set's statistics."""
+        stats = self.train_dataset if isinstance(self.train_dataset, ImageTensors) else data
+        # computed once: each evaluation builds a new loader, and the statistics take a
+        # pass over every training image
+        cached = getattr(self, "_pixel_stats", None)
+        if cached is None or cached[0] is not stats:
+            self._pixel_stats = cached = (stats, stats.channel_stats())
+        mean, std = cached[1]
+        return DeviceImageDataLoader(
+            data,
+            batch_size,
+            rank=self.args.process_index,
+            world=self.args.world_size,
+            device=self.args.device,
+            seed=self.args.seed,
+            mean=mean,
+            std=std,
+            channels_last=getattr(self, "channels_last", False),
+            **kwargs,
+        )

@@ -96,6 +96,7 @@ def fallback_loss(
     label_smoothing: float = 0.0,
     compute_loss_func: Any = None,
     num_items_in_batch: Any = None,
+    signature: tuple[set[str], bool] | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """Loss and outputs of a model that does not take the whole batch by name (see
     :func:`takes_whole_batch`).
@@ -105,6 +106,8 @@ def fallback_loss(
     carry one; else ``compute_loss_func(outputs, labels,
     num_items_in_batch=...)`` when given; else cross-entropy on the logits (the output
     itself, its ``"logits"`` entry or its first element), computed in float32.
+    ``signature``: the :func:`forward_parameters` of the model that ``model`` wraps (a
+    ``torch.compile`` wrapper's own ``forward`` names nothing); default, ``model``'s.
 
     Returns:
         ``(loss, outputs)``; a bare logits tensor comes back as ``{"logits": logits}``,
@@ -119,7 +122,7 @@ def fallback_loss(
     """
     features = {k: v for k, v in inputs.items() if k not in label_names}
     labels = inputs.get(label_names[0]) if label_names else None
-    names, _ = forward_parameters(model)
+    names, _ = forward_parameters(model) if signature is None else signature
     outputs = model(**features) if set(features) <= names else model(*features.values())
     loss = _loss_of(outputs)
     if loss is None:

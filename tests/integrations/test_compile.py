@@ -1,0 +1,134 @@
+"""torch.compile with AdaFisher: refresh steps run eagerly, statistics equal eager's (CPU).
+
+The compiled runs use dynamo's ``eager`` backend: the captured graph runs the same
+operators in the same order as the module itself, so every factor and parameter must be
+bitwise equal to the uncompiled run's (no tolerance to derive). What is tested is the
+routing: which module runs on a refresh step, where the hooks are, and that the graph
+is compiled once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+
+timm = pytest.importorskip("timm")
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+from accelerate.state import AcceleratorState  # noqa: E402
+
+from hf_triaccel.integrations.plugin import TriAccelPlugin, prepare_triaccel  # noqa: E402
+from hf_triaccel.integrations.trainer import TriAccelTrainer  # noqa: E402
+from tests.integrations.tiny import ImageSet, make_args, tiny_timm  # noqa: E402
+
+
+class HFStyleConv(nn.Module):
+    """The Hugging Face convention: ``forward(pixel_values, labels) -> {"loss", "logits"}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.head(F.relu(self.norm(self.conv(pixel_values))).mean(dim=(2, 3)))
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+class Logs(transformers.TrainerCallback):
+    def __init__(self) -> None:
+        self.entries: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.entries.append(dict(logs))
+
+
+def _compiled_frames() -> int:
+    return torch._dynamo.utils.counters["frames"]["ok"]
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled code from earlier tests; for later ones, neither the
+    ``ACCELERATE_DYNAMO_*`` variables that ``TrainingArguments(torch_compile=True)`` sets
+    nor the shared ``AcceleratorState`` that keeps its dynamo backend (an ``Accelerator``
+    would compile every model it prepares)."""
+    environ = dict(os.environ)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+    os.environ.clear()
+    os.environ.update(environ)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _train(tmp_path, build, compiled: bool):
+    logs = Logs()
+    kwargs = dict(torch_compile=True, torch_compile_backend="eager") if compiled else {}
+    args = make_args(tmp_path, max_steps=6, per_device_train_batch_size=4, **kwargs)
+    model = build()
+    trainer = TriAccelTrainer(model=model, args=args, train_dataset=ImageSet(), callbacks=[logs])
+    trainer.train()
+    return model, trainer, logs
+
+
+@pytest.mark.parametrize("build", [tiny_timm, HFStyleConv], ids=["timm", "hf-style"])
+def test_trainer_compiled_statistics_equal_eager(tmp_path, build, fresh_dynamo):
+    eager, eager_trainer, _ = _train(tmp_path / "eager", build, compiled=False)
+    torch._dynamo.utils.counters.clear()
+    model, trainer, logs = _train(tmp_path / "compiled", build, compiled=True)
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+    # update_every=2 over 6 steps: three refreshes, run eagerly, and three compiled steps
+    # on one graph, traced with the collector off (no recompilation when it changes)
+    assert trainer.optimizer.optimizer.fisher_steps == 6
+    assert _compiled_frames() == 1
+    factors, expected = trainer.collector.state_dict(), eager_trainer.collector.state_dict()
+    assert list(factors) == list(expected)  # the eager modules' names
+    for name, entry in expected.items():
+        for key, tensor in entry.items():
+            assert torch.equal(factors[name][key], tensor), (name, key)
+    for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    compile_logs = [e["compile_seconds"] for e in logs.entries if "compile_seconds" in e]
+    assert compile_logs and all(s >= 0.0 for s in compile_logs)
+    assert "compile_seconds" not in str(trainer.state.log_history)
+
+
+def _loop(model: nn.Module, compile_it: bool):
+    plugin = TriAccelPlugin(lr=1e-2, update_every=2)
+    given = torch.compile(model, backend="eager") if compile_it else model
+    run = prepare_triaccel(accelerate.Accelerator(cpu=True), given, plugin)
+    data = ImageSet(24)
+    for start in range(0, 24, 4):
+        x, y = data.x[start : start + 4], data.y[start : start + 4]
+        F.cross_entropy(run.model(x), y).backward()
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    return run
+
+
+def test_prepare_triaccel_with_a_compiled_model_equals_eager(fresh_dynamo):
+    eager_model, compiled_model = tiny_timm(), tiny_timm()
+    eager = _loop(eager_model, compile_it=False)
+    torch._dynamo.utils.counters.clear()
+    compiled = _loop(compiled_model, compile_it=True)
+    assert _compiled_frames() == 1
+    assert type(compiled.model).__name__ == "OptimizedModule"
+    factors, expected = compiled.collector.state_dict(), eager.collector.state_dict()
+    assert list(factors) == list(expected)  # hooks on the eager modules: the same names
+    for name, entry in expected.items():
+        for key, tensor in entry.items():
+            assert torch.equal(factors[name][key], tensor), (name, key)
+    for (name, p), q in zip(
+        eager_model.named_parameters(), compiled_model.parameters(), strict=True
+    ):
+        assert torch.equal(p, q), name
