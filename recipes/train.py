@@ -38,6 +38,7 @@ from transformers import EvalPrediction, TrainerCallback, set_seed
 
 from hf_triaccel import TriAccelArguments, TriAccelTrainer
 from hf_triaccel.data import ImageTensors, load_image_dataset
+from hf_triaccel.data.loading import ClassCountError
 from hf_triaccel.integrations.model_card import PushToHubError, push_run, write_card
 from hf_triaccel.integrations.plots import plot_run
 from hf_triaccel.integrations.telemetry import REPORT_NAME
@@ -131,9 +132,7 @@ class RecipeData:
         splits = [config.train_split] + ([config.eval_split] if evaluates(args) else [])
         try:
             loaded = [load_image_dataset(source, split, **options) for split in splits]
-        except ValueError as exc:
-            if "classes" not in str(exc):
-                raise
+        except ClassCountError as exc:
             raise ValueError(
                 f"recipe {config.name} trains a {config.num_classes}-class {config.title} "
                 f"model: {exc}. Give --dataset a copy of {config.dataset}"

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from hf_triaccel.data import GPUBatchLoader, ImageTensors, is_hub_dataset_id, load_image_dataset
+from hf_triaccel.data.loading import ClassCountError
 
 CIFAR10_NAMES = [
     "airplane",
@@ -175,7 +176,9 @@ def test_class_count_is_checked_before_decoding(monkeypatch):
         raise AssertionError("images decoded before the class check")
 
     monkeypatch.setattr(datasets.Dataset, "map", no_decoding)
-    with pytest.raises(ValueError, match=r"has 10 classes \(airplane, automobile.*not the 100"):
+    with pytest.raises(
+        ClassCountError, match=r"has 10 classes \(airplane, automobile.*not the 100"
+    ):
         load_image_dataset("embedded", "train", num_classes=100, progress=False)
 
 

@@ -91,3 +91,12 @@ def test_model_card_block_loads_the_published_model(tmp_path, monkeypatch):
     monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
     run_block(code, f"model card:{line}")
+
+
+def test_readme_says_what_the_main_job_does_and_costs():
+    readme = (ROOT / "README.md").read_text()
+    setup = readme[readme.index("## Set-up") : readme.index("## Quickstart: plain PyTorch")]
+    assert "python3 -m hf_triaccel.quickstart" in setup
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in setup
+    for text in ("AdaFisherW", "AdamW", "CPU (2 cores)", "GPU (one NVIDIA H200)", "test accuracy"):
+        assert text in setup, text

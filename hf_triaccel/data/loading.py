@@ -35,6 +35,10 @@ EMBEDDED_ORIGIN = "uoft-cs/cifar10"
 EMBEDDED_DIR = Path(__file__).resolve().parent
 
 
+class ClassCountError(ValueError):
+    """The data has another number of classes than the one asked for."""
+
+
 def load_image_dataset(
     source: str = "embedded",
     split: str = "train",
@@ -73,8 +77,8 @@ def load_image_dataset(
     Raises:
         FileNotFoundError: a local path that does not exist, a folder without the split,
             or a name that is neither a path nor a Hub id.
-        ValueError: a missing column, the wrong number of classes, or images of
-            different sizes.
+        ClassCountError: not ``num_classes`` classes (a ``ValueError``).
+        ValueError: a missing column, or images of different sizes.
         ImportError: without the ``datasets`` package.
         RuntimeError: a Hub dataset that could not be loaded (no network, unknown id).
 
@@ -106,7 +110,7 @@ def load_image_dataset(
         ).to(torch.int64)
         names = _class_names(dataset.features[label_column], labels)
         if num_classes is not None and len(names) != num_classes:
-            raise ValueError(
+            raise ClassCountError(
                 f"{source!r} (split {split!r}) has {len(names)} classes "
                 f"({_preview(names)}), not the {num_classes} expected"
             )
