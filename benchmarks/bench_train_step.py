@@ -1,12 +1,16 @@
-"""Training step of the CIFAR ResNet-18: AdaFisherW against torch.optim.AdamW(fused=True).
+"""Training step of a timm model: AdaFisherW against torch.optim.AdamW(fused=True) at its fastest.
 
 zero_grad + forward under bf16 autocast + backward + ``opt.step()`` on one random batch,
-AdaFisherW refreshing its factors on every step and on none: step time and peak memory;
-``--host``: the step's host work (on a CPU the launches are counted, not run, and the
-model narrowed). README.md: method and columns.
+for the CIFAR ResNet-18 (batch 512, 32x32) or ViT-B/16 (``--model vit_base_patch16_224``:
+batch 128, 224x224), in each of ``--layouts`` (default ``channels_last,nchw``: the layout
+hf_triaccel's Trainer gives a model with 2-D convolutions, and torch's default);
+AdaFisherW refreshing its factors on every step and on none: step time and peak memory,
+as ratios against the fastest AdamW(fused) row of the run. ``--host``: the step's host
+work (on a CPU the launches are counted, not run, and the model narrowed). README.md:
+method and columns.
 
 Usage:
-    python benchmarks/bench_train_step.py [--host] [--channels-last] --out "$OUT"
+    python benchmarks/bench_train_step.py [--model M] [--layouts L] [--host] --out "$OUT"
     python benchmarks/bench_train_step.py --smoke [--host] --out /tmp/bench   # CPU
 """
 
@@ -20,21 +24,39 @@ import torch
 import torch.nn.functional as F
 
 from hf_triaccel import AdaFisherW
+from hf_triaccel.integrations.layout import channels_last_batch, to_channels_last
 
+# model -> (batch, image side) of a full run; smoke runs take OPTIONS' smoke values
+MODELS = {"resnet18_cifar": (512, 32), "vit_base_patch16_224": (128, 224)}
+LAYOUTS = ("channels_last", "nchw")
 OPTIONS = {
-    "batch_size": (int, 8, 512, "batch (--host on a CPU: 4)"),
-    "image_size": (int, 16, 32, "image side"),
+    "batch_size": (int, 8, None, "batch (default by --model; --host on a CPU: 4)"),
+    "image_size": (int, None, None, "image side (default by --model)"),
     "warmup": (int, 2, 20, "untimed steps (--host: 3)"),
     "steps": (int, 4, 100, "timed steps (--host: 40, smoke 3)"),
 }
 
 
-def host_defaults(args: Any) -> dict[str, int]:
-    """The defaults of ``--host``: each step timed alone, a small batch on a CPU."""
-    if not args.host:
-        return {}
-    cpu = {"batch_size": 4} if args.device.type != "cuda" else {}
-    return {"warmup": 3, "steps": 3 if args.smoke else 40, **cpu}
+def defaults(args: Any) -> dict[str, int]:
+    """Defaults chosen by the flags: batch and image side by model (a smoke run keeps the
+    tiny model's image side), and those of ``--host``: each step timed alone, a small
+    batch on a CPU."""
+    batch, side = MODELS[args.model]
+    if args.smoke:
+        side = harness.SIZES[args.model]["tiny"].get("img_size", 16)
+    chosen = {"image_size": side} if args.smoke else {"batch_size": batch, "image_size": side}
+    if args.host:
+        cpu = {"batch_size": 4} if args.device.type != "cuda" else {}
+        chosen.update(warmup=3, steps=3 if args.smoke else 40, **cpu)
+    return chosen
+
+
+def build(row: dict, args: Any) -> torch.nn.Module:
+    """A fresh, identically seeded model on the device, in the row's layout."""
+    model = harness.build_model(args.model, args.size).to(args.device)
+    if row["layout"] == "channels_last":
+        to_channels_last(model)  # as TriAccelTrainer does: models with 2-D convolutions
+    return model
 
 
 def prepare(row: dict, model: torch.nn.Module, args: Any) -> tuple[Any, Any]:
@@ -43,7 +65,8 @@ def prepare(row: dict, model: torch.nn.Module, args: Any) -> tuple[Any, Any]:
     every = 1 if row["refresh"] else harness.NEVER
     opt = harness.make_optimizer(row["optimizer"], model, impl=row["impl"], update_every=every)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=args.device)
-    x = x.contiguous(memory_format=args.memory_format)
+    if row["layout"] == "channels_last":
+        x = channels_last_batch(x)
     y = torch.randint(0, 10, (args.batch_size,), device=args.device)
 
     def step() -> None:
@@ -65,7 +88,7 @@ def measure(row: dict, args: Any) -> None:
     """Step time and peak memory of one variant, on a fresh, identically seeded model."""
     device, cuda, opt = args.device, args.device.type == "cuda", None
     with harness.variant(row):
-        model = harness.build_model(size=args.size).to(device, memory_format=args.memory_format)
+        model = build(row, args)
         opt, step = prepare(row, model, args)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -81,7 +104,7 @@ def measure(row: dict, args: Any) -> None:
 def measure_host(rows: list[dict], args: Any) -> None:
     """Operators, launches and host time per step of every variant; the variants take
     turns, so that a drift of the host's speed hits them alike."""
-    base = harness.build_model(size=args.size).to(args.device)
+    base = build(rows[0], args)
     counter = harness.LaunchCounter(stub=args.device.type != "cuda")
     try:
         steps = []
@@ -100,57 +123,83 @@ def measure_host(rows: list[dict], args: Any) -> None:
         row["host_ms"] = float(np.median(row.pop("times")))
 
 
+def variants(args: Any) -> list[dict]:
+    """AdamW(fused) in every layout first (the candidates for the baseline), then
+    AdaFisherW per layout and implementation, refreshing on every step and on none;
+    ``--host``: the first layout and Triton only."""
+    layouts = args.layouts[:1] if args.host else args.layouts
+    adamw = {"optimizer": "AdamW", "impl": "fused", "refresh": None}
+    rows = [{**adamw, "layout": layout} for layout in layouts]
+    for layout in layouts:
+        for impl in ["triton"] if args.host else args.impls:
+            rows += [
+                {"optimizer": "AdaFisherW", "impl": impl, "refresh": r, "layout": layout}
+                for r in (True, False)
+            ]
+    return [{**row, "status": "ok", "note": None} for row in rows]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark; returns 1 when a variant failed."""
     parser = harness.base_parser(__doc__.split("\n\n")[0], OPTIONS)
-    parser.add_argument("--channels-last", action="store_true", help="model and input")
+    parser.add_argument("--model", choices=tuple(MODELS), default="resnet18_cifar")
+    parser.add_argument(
+        "--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {list(LAYOUTS)}"
+    )
     parser.add_argument("--host", action="store_true", help="host work instead of device time")
-    args = harness.parse(parser, argv, host_defaults)
+    args = harness.parse(parser, argv, defaults)
+    args.layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
+    if not args.layouts or set(args.layouts) - set(LAYOUTS):
+        parser.error(f"--layouts {args.layouts}: choose from {list(LAYOUTS)}")
     cuda = args.device.type == "cuda"
-    args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     torch.backends.cudnn.benchmark = cuda  # same autotuned convolutions for every variant
-    rows = [{"optimizer": "AdamW", "impl": "fused", "refresh": None}]
-    for impl in ["triton"] if args.host else args.impls:
-        rows += [{"optimizer": "AdaFisherW", "impl": impl, "refresh": r} for r in (True, False)]
-    rows = [{**row, "status": "ok", "note": None} for row in rows]
+    rows = variants(args)
     if args.host:
         args.size = "full" if cuda else "narrow"  # the module structure: the same host work
         measure_host(rows, args)
     else:
         for row in rows:
             measure(row, args)
-    adamw = lambda r: r["optimizer"] == "AdamW"
-    harness.add_ratio(rows, "host_ms" if args.host else "median_ms", "vs_adamw", adamw)
-    harness.add_ratio(rows, "peak_bytes", "peak_vs_adamw", adamw)
+    key = "host_ms" if args.host else "median_ms"
+    adamw = [r for r in rows if r["optimizer"] == "AdamW" and r.get(key)]
+    fastest = min(adamw, key=lambda r: r[key], default=None)
+    baseline = lambda r: r is fastest
+    harness.add_ratio(rows, key, "vs_adamw", baseline)
+    harness.add_ratio(rows, "peak_bytes", "peak_vs_adamw", baseline)
     refreshes = {None: "-", True: "every step", False: "no"}
     fmt = harness.fmt
     columns = {
         "optimizer": lambda r: r["optimizer"],
         "impl": lambda r: r["impl"],
+        "layout": lambda r: r["layout"],
         "Fisher refresh": lambda r: refreshes[r["refresh"]],
     }
     if args.host:
         columns["aten ops"] = lambda r: r["aten_ops"]
         columns["Triton launches"] = lambda r: r["launches"]
-        columns["host ms"] = lambda r: fmt(r["host_ms"])
+        columns["host ms"] = lambda r: fmt(r.get("host_ms"))
         # AdamW's update runs on a CPU within its host time: a ratio only on CUDA
         columns["x AdamW"] = lambda r: fmt(r["vs_adamw"] if cuda else None, ".2f", "x")
     else:
-        columns["step ms (median)"] = lambda r: fmt(r["median_ms"])
+        columns["step ms (median)"] = lambda r: fmt(r.get("median_ms"))
         columns["p20-p80 ms"] = lambda r: f"{fmt(r.get('p20_ms'))}-{fmt(r.get('p80_ms'))}"
         columns["x AdamW(fused)"] = lambda r: fmt(r["vs_adamw"], ".2f", "x")
-        columns["peak GiB"] = lambda r: harness.gib(r["peak_bytes"])
+        columns["peak GiB"] = lambda r: harness.gib(r.get("peak_bytes"))
         columns["peak x AdamW(fused)"] = lambda r: fmt(r["peak_vs_adamw"], ".2f", "x")
     columns["note"] = harness.note
+    base_text = "none measured" if fastest is None else f"AdamW(fused), {fastest['layout']}"
     print(
-        f"resnet18_cifar ({args.size}), batch {args.batch_size}, {args.image_size}x"
-        f"{args.image_size}, bf16 autocast, channels_last={args.channels_last}; "
-        f"{args.steps} timed steps after {args.warmup} warm-up steps"
+        f"{args.model} ({args.size}), batch {args.batch_size}, {args.image_size}x"
+        f"{args.image_size}, bf16 autocast, layouts {args.layouts}; {args.steps} timed steps "
+        f"after {args.warmup} warm-up steps; baseline of the ratios: {base_text} (the "
+        "fastest AdamW row)"
     )
-    args.memory_format = str(args.memory_format)
     config = {"autocast": "bfloat16", "lr": harness.LR, "weight_decay": harness.WEIGHT_DECAY}
+    config["baseline"] = None if fastest is None else {"optimizer": "AdamW(fused)", **fastest}
     payload = {"config": {**config, "cudnn_benchmark": cuda}, "results": rows}
     name = "bench_train_step_host" if args.host else "bench_train_step"
+    if args.model != "resnet18_cifar":
+        name += f"_{args.model}"
     harness.finish(name, __file__, args, payload, harness.table(rows, columns))
     return 1 if any(r["status"] == "error" for r in rows) else 0
 

@@ -2,7 +2,9 @@
 
 The acceptance comparison: one run per optimizer on the same GPU, their JSON lines
 compared. One-cycle schedule, label smoothing 0.1, data decoded once and augmented on the
-GPU; ``--precision``: ``bf16`` autocast (default), ``fp32`` (no autocast), or
+GPU; model and batches in ``--layout`` (default ``channels_last``, as ``TriAccelTrainer``
+puts a convolutional model, for every optimizer; ``nchw``: torch's default);
+``--precision``: ``bf16`` autocast (default), ``fp32`` (no autocast), or
 ``adaptive`` (bf16 autocast with per-module precision from the ``PrecisionController``,
 built as ``TriAccelTrainer`` builds it; AdaFisher or AdaFisherW only). The record (one
 JSON line on stdout and in ``--out FILE``) is described in README.md. ``--smoke``: a
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_triaccel.data.images import GPUBatchLoader
+from hf_triaccel.integrations.layout import to_channels_last
 from hf_triaccel.integrations.plugin import TriAccelPlugin
 from hf_triaccel.optim.adafisher import AdaFisher
 from hf_triaccel.precision import PRECISIONS, plot_precision_map
@@ -59,7 +62,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=tuple(harness.HYPERPARAMETERS), default="adafisherw")
     parser.add_argument("--precision", choices=("bf16", "fp32", "adaptive"), default="bf16")
     parser.add_argument("--impl", choices=("triton", "foreach", "reference"))
-    parser.add_argument("--channels_last", action="store_true", help="channels-last model/data")
+    parser.add_argument(
+        "--layout", choices=("channels_last", "nchw"), default="channels_last", help="model/data"
+    )
     parser.add_argument("--lr_steering", action="store_true", help="StepSizeSteering (AdaFisher)")
     parser.add_argument("--smoke", action="store_true", help="narrow model, random 16x16 images")
     args = parser.parse_args(argv)
@@ -159,14 +164,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     test_data = harness.load_images(args.data, "test", smoke=args.smoke, n=64)
     decode_seconds = time.perf_counter() - start
     mean, std = train_data.channel_stats()
+    size, classes = "narrow" if args.smoke else "full", train_data.num_classes
+    model = harness.build_model(args.model, size, seed=args.seed, num_classes=classes).to(device)
+    # as TriAccelTrainer does: channels-last for a model with 2-D convolutions
+    args.channels_last = args.layout == "channels_last" and to_channels_last(model)
     common = dict(device=device, mean=mean, std=std, channels_last=args.channels_last)
     train_loader = harness.image_batches(train_data, args.batch_size, seed=args.seed, **common)
     test_loader = GPUBatchLoader(test_data, 1024, **common)
-
-    size, classes = "narrow" if args.smoke else "full", train_data.num_classes
-    model = harness.build_model(args.model, size, seed=args.seed, num_classes=classes)
-    memory_format = torch.channels_last if args.channels_last else torch.preserve_format
-    model = model.to(device, memory_format=memory_format)
     optimizer = harness.make_optimizer(
         args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay, impl=args.impl
     )
@@ -201,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timed = epochs[1:] if len(epochs) > 1 else epochs
     images_per_second = sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed)
     names = ("optimizer", "precision", "model", "lr", "weight_decay", "label_smoothing", "impl")
-    names += ("batch_size", "channels_last", "seed", "data", "smoke")
+    names += ("batch_size", "layout", "channels_last", "seed", "data", "smoke")
     record = {name: getattr(args, name) for name in names}
     record.update(epochs=len(epochs), steps=step, train_images=len(train_data))
     record.update(test_images=len(test_data), test_accuracy=test_accuracy)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,23 +79,40 @@ def test_bench_train_step_smoke(bench, tmp_path):
     payload = _run(bench, "bench_train_step", tmp_path, "--impls", "foreach")
     assert payload["config"]["autocast"] == "bfloat16"
     rows = payload["results"]
-    assert [(r["optimizer"], r["impl"], r["refresh"]) for r in rows] == [
-        ("AdamW", "fused", None),
-        ("AdaFisherW", "foreach", True),
-        ("AdaFisherW", "foreach", False),
+    assert [(r["optimizer"], r["impl"], r["refresh"], r["layout"]) for r in rows] == [
+        ("AdamW", "fused", None, "channels_last"),
+        ("AdamW", "fused", None, "nchw"),
+        ("AdaFisherW", "foreach", True, "channels_last"),
+        ("AdaFisherW", "foreach", False, "channels_last"),
+        ("AdaFisherW", "foreach", True, "nchw"),
+        ("AdaFisherW", "foreach", False, "nchw"),
     ]
     for row in rows:
         assert row["status"] == "ok", row["note"]
         assert row["median_ms"] > 0 and row["vs_adamw"] > 0
         assert row["reps"] == payload["config"]["steps"]
-    assert rows[0]["vs_adamw"] == 1.0
+    # the baseline is the fastest AdamW row, whichever layout it ran in
+    adamw = [r for r in rows if r["optimizer"] == "AdamW"]
+    fastest = min(adamw, key=lambda r: r["median_ms"])
+    assert fastest["vs_adamw"] == 1.0 and min(r["vs_adamw"] for r in adamw) == 1.0
+    assert payload["config"]["baseline"]["layout"] == fastest["layout"]
 
 
-def test_bench_train_step_channels_last_smoke(bench, tmp_path):
-    flags = ("--impls", "foreach", "--channels-last", "--steps", "2")
-    payload = _run(bench, "bench_train_step", tmp_path, *flags)
-    assert payload["config"]["channels_last"] is True
-    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in payload["results"])
+def test_bench_train_step_vit_smoke(bench, tmp_path):
+    flags = ("--model", "vit_base_patch16_224", "--impls", "foreach", "--layouts", "channels_last")
+    payload = _run(
+        bench,
+        "bench_train_step",
+        tmp_path,
+        *flags,
+        "--steps",
+        "2",
+        record="bench_train_step_vit_base_patch16_224",
+    )
+    assert payload["config"]["image_size"] == 32  # the tiny ViT's
+    rows = payload["results"]
+    assert {r["layout"] for r in rows} == {"channels_last"} and len(rows) == 3
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows)
 
 
 def test_bench_train_step_host_smoke(bench, tmp_path):
@@ -125,13 +145,50 @@ def test_bench_trainer_smoke(bench, tmp_path):
     payload = _run(bench, "bench_trainer", tmp_path, "--warmup", str(warmup), "--steps", str(steps))
     assert payload["config"]["world_size"] == 1 and payload["config"]["steps"] == steps
     rows = {r["variant"]: r for r in payload["results"]}
-    assert list(rows) == list(bench("bench_trainer").VARIANTS)
+    assert list(rows) == list(bench("bench_trainer").DEFAULT_VARIANTS)
     for row in rows.values():
         assert row["status"] == "ok", row["note"]
         assert row["samples_per_second"] > 0 and row["vs_loop"] > 0
         assert row["steps"] == steps and row["global_step"] == warmup + steps
+        assert row["layout"] == "channels_last" and row["compile_seconds"] is None
     assert rows["loop_adamw_fused"]["vs_loop"] == 1.0
+    assert payload["config"]["baseline"] == "loop_adamw_fused"
     assert rows["trainer_adafisherw"]["update_every"] >= 1
+
+
+def test_bench_trainer_compiled_smoke(bench, tmp_path):
+    """The compiled variants (dynamo's eager backend here: the routing and the records,
+    not inductor's code)."""
+    variants = "loop_adamw_fused,loop_adamw_fused_compiled,trainer_adafisherw_compiled"
+    flags = ("--warmup", "3", "--steps", "2", "--compile-backend", "eager", "--variants", variants)
+    payload = _run(bench, "bench_trainer", tmp_path, *flags)
+    rows = {r["variant"]: r for r in payload["results"]}
+    assert list(rows) == variants.split(",")
+    for row in rows.values():
+        assert row["status"] == "ok", row["note"]
+        assert row["compiled"] == row["variant"].endswith("_compiled")
+        assert (row["compile_seconds"] is not None) == row["compiled"]
+    # the ratios are against the faster of the two loops
+    assert (
+        max(rows["loop_adamw_fused"]["vs_loop"], rows["loop_adamw_fused_compiled"]["vs_loop"])
+        == 1.0
+    )
+
+
+def test_bench_trainer_nchw_layout_smoke(bench, tmp_path):
+    flags = (
+        "--warmup",
+        "2",
+        "--steps",
+        "2",
+        "--layout",
+        "nchw",
+        "--variants",
+        "trainer_adafisherw",
+    )
+    payload = _run(bench, "bench_trainer", tmp_path, *flags)
+    (row,) = payload["results"]
+    assert row["status"] == "ok" and row["layout"] == "nchw" and row["vs_loop"] is None
 
 
 def test_bench_elastic_smoke(bench, tmp_path):
@@ -169,3 +226,28 @@ def test_bench_elastic_smoke(bench, tmp_path):
     assert elastic["oom_restarts"] == 0 and elastic["samples_per_step"] == E
     assert elastic["accumulation"] >= 2
     assert all(size["micro_batch"] * size["accumulation"] >= E for size in elastic["step_sizes"])
+
+
+@pytest.mark.slow
+def test_fast_defaults_script_smoke(tmp_path):
+    """Every stage of benchmarks/fast_defaults.sh runs and writes its record (CPU, tiny
+    models; dynamo's eager backend for the compiled stage, to stay within seconds)."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    env["COMPILE_BACKEND"] = "eager"
+    script = BENCHMARKS / "fast_defaults.sh"
+    done = subprocess.run(
+        ["bash", str(script), "--smoke"], env=env, capture_output=True, text=True, timeout=500
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = {
+        "train_step_resnet18": "bench_train_step",
+        "train_step_vit_b16": "bench_train_step_vit_base_patch16_224",
+        "trainer": "bench_trainer",
+        "trainer_compile": "bench_trainer",
+    }
+    for stage, record in records.items():
+        payload = _load(tmp_path / stage / f"{record}.json")
+        assert all(r["status"] == "ok" for r in payload["results"]), stage
+    summary = (tmp_path / "fast_defaults.md").read_text()
+    assert summary.count("exit 0 after") == len(records)
+    assert "0 stage(s) failed" in summary

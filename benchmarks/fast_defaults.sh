@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# "Fast by default", measured in one call: AdaFisherW against the fastest AdamW(fused)
+# baseline (channels_last, bf16; compiled where ours is compiled), each stage under its own
+# time limit, every record teed into $OUT. About 4 minutes on one H200.
+#
+#   1. bench_train_step.py, CIFAR ResNet-18 (batch 512, 32 px): step time and peak memory of
+#      AdaFisherW with and without a Fisher refresh, against AdamW(fused), each in
+#      channels_last and NCHW; ratios against the fastest AdamW row.
+#   2. the same for ViT-B/16 (timm, 224 px, batch 128).
+#   3. bench_trainer.py: the recipe model (CIFAR ResNet-18, CIFAR-10 on the GPU, batch 512)
+#      through TriAccelTrainer, AdamW(fused) and AdaFisherW, against a hand-written
+#      channels-last AdamW(fused) loop: samples/s over 300 steps (three Fisher refreshes).
+#   4. bench_trainer.py under torch.compile: TriAccelTrainer(torch_compile=True) with
+#      AdaFisherW (compiled first, so that its compilation time is the cold one), a compiled
+#      hand-written AdamW(fused) loop, and the eager TriAccelTrainer, in one process: steady
+#      samples/s and compilation seconds.
+#
+# Usage, from anywhere (the repository is this script's parent folder):
+#   bash benchmarks/fast_defaults.sh            # a GPU; $OUT receives the records
+#   bash benchmarks/fast_defaults.sh --smoke    # CPU, tiny models, every stage in seconds
+# Environment: OUT (default .out/fast_defaults), PYTHON (default python3), DATA (default
+# .data/cifar10 when it holds train.parquet, else the embedded CIFAR-10 slice),
+# COMPILE_BACKEND (default inductor). Without the `datasets` package, the wheels in .whl/
+# (see the device-wheels script) are installed into a scratch folder first.
+# Exit status: the number of stages that failed or ran out of time.
+set -uo pipefail
+
+smoke=()
+case "${1:-}" in
+    "") ;;
+    --smoke) smoke=(--smoke) ;;
+    *) echo "usage: $0 [--smoke]" >&2; exit 2 ;;
+esac
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+PY=${PYTHON:-python3}
+OUT=${OUT:-$root/.out/fast_defaults}
+mkdir -p "$OUT"
+summary="$OUT/fast_defaults.md"
+: > "$summary"
+
+# The package as this checkout holds it: hf_triaccel/ with kernels/ as hf_triaccel.kernels
+# (the layout pyproject.toml installs), first on the path.
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+cp -r hf_triaccel "$scratch/"
+cp -r kernels "$scratch/hf_triaccel/kernels"
+export PYTHONPATH="$scratch${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import datasets" 2>/dev/null; then
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target "$scratch/site" .whl/*.whl
+        export PYTHONPATH="$PYTHONPATH:$scratch/site"
+    else
+        echo "warning: no 'datasets' package and no .whl/ wheels: data loading will fail" >&2
+    fi
+fi
+
+data=${DATA:-}
+if [[ -z "$data" ]]; then
+    if [[ -f .data/cifar10/train.parquet ]]; then data=.data/cifar10; else data=embedded; fi
+fi
+backend=${COMPILE_BACKEND:-inductor}
+
+{
+    echo "# fast_defaults.sh ${smoke[*]:-}"
+    echo
+    echo "git $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (modified)'), $(date -u +%FT%TZ), data $data, compile backend $backend"
+    "$PY" -c "import torch, transformers, timm; print(f'torch {torch.__version__}, transformers {transformers.__version__}, timm {timm.__version__}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else \"cpu\"}')"
+} | tee -a "$summary"
+
+failed=0
+# stage NAME LIMIT_SECONDS COMMAND...: runs COMMAND under `timeout`, its output teed into
+# $OUT/NAME.log; the status and time go to the summary.
+stage() {
+    local name=$1 limit=$2 start=$SECONDS rc
+    shift 2
+    printf '\n## %s\n\n`%s` (limit %s s)\n' "$name" "$*" "$limit" | tee -a "$summary"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    if [[ $rc -ne 0 ]]; then
+        failed=$((failed + 1))
+        [[ $rc -eq 124 || $rc -eq 137 ]] && rc="$rc (time limit)"
+    fi
+    printf '\nexit %s after %d s\n' "$rc" $((SECONDS - start)) | tee -a "$summary"
+    # the tables the stage wrote (each under its command line)
+    for table in "$OUT/$name"/*.md; do
+        [[ -f "$table" ]] && { echo; cat "$table"; } >> "$summary"
+    done
+}
+
+# full sizes: the scripts' defaults, ViT-B/16 with fewer steps (each is longer); smoke: the
+# scripts' smoke sizes, AdaFisher's portable implementation (Triton would be interpreted)
+impls=triton
+vit=(--warmup 10 --steps 50)
+train=(--steps 300)
+if [[ ${#smoke[@]} -gt 0 ]]; then
+    impls=foreach
+    vit=()
+    train=(--steps 3 --warmup 3)
+fi
+
+stage train_step_resnet18 100 \
+    "$PY" benchmarks/bench_train_step.py "${smoke[@]}" --impls "$impls" \
+    --out "$OUT/train_step_resnet18"
+stage train_step_vit_b16 120 \
+    "$PY" benchmarks/bench_train_step.py "${smoke[@]}" --model vit_base_patch16_224 \
+    --impls "$impls" "${vit[@]}" --out "$OUT/train_step_vit_b16"
+stage trainer 110 \
+    "$PY" benchmarks/bench_trainer.py "${smoke[@]}" --data "$data" "${train[@]}" \
+    --variants loop_adamw_fused,trainer_adamw_fused,trainer_adafisherw --out "$OUT/trainer"
+stage trainer_compile 230 \
+    "$PY" benchmarks/bench_trainer.py "${smoke[@]}" --data "$data" "${train[@]}" \
+    --compile-backend "$backend" \
+    --variants trainer_adafisherw_compiled,loop_adamw_fused_compiled,trainer_adafisherw \
+    --out "$OUT/trainer_compile"
+
+printf '\n%d stage(s) failed; records in %s\n' "$failed" "$OUT" | tee -a "$summary"
+echo
+cat "$summary"
+exit "$failed"
