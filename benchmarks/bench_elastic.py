@@ -23,6 +23,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from hf_triaccel.data.images import ImageTensors
+from hf_triaccel.integrations.layout import to_channels_last
 from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer
 from hf_triaccel.integrations.trainer_data import DeviceImageDataLoader
 from hf_triaccel.memory import CudaMemoryProbe, ElasticBatchController
@@ -79,6 +80,7 @@ def controller_run(budget: Budget, data: ImageTensors, args: Any) -> dict[str, A
     controller's settings, the schedule, one record per step, the events, the summary."""
     E, device = args.effective_batch, args.device
     model = harness.build_model(size=args.size).to(device)
+    to_channels_last(model)  # the layout TriAccelTrainer trains it in
     budget.attach(model)
     opt = harness.make_optimizer("adamw", model)
     controller = ElasticBatchController(E, probe=budget.probe, grow_after=args.grow_after)
@@ -86,7 +88,7 @@ def controller_run(budget: Budget, data: ImageTensors, args: Any) -> dict[str, A
     # the last shrink comes by release_at; grow_after stable steps later, a check grows
     last = release_at + controller.grow_after + 2 * controller.check_every
     ledger, ids = SampleLedger(), torch.arange(E)  # ids on the CPU: read back with no sync
-    batches = harness.endless(harness.image_batches(data, E))
+    batches = harness.endless(harness.image_batches(data, E, channels_last=True))
 
     def loss_fn(piece: dict[str, torch.Tensor]) -> torch.Tensor:
         ledger.add(piece["index"])
@@ -175,11 +177,12 @@ def summarize(steps: list, events: list, fit: dict) -> dict:
 
 class DeviceDataTrainer(Trainer):
     """``transformers.Trainer`` fed as ``TriAccelTrainer`` feeds an ``ImageTensors`` (batches
-    built on the device, of the current attempt's size), with the cross-entropy that
-    ``TriAccelTrainer`` computes for a plain module."""
+    built on the device, of the current attempt's size, channels-last as the model), with
+    the cross-entropy that ``TriAccelTrainer`` computes for a plain module."""
 
     def get_train_dataloader(self) -> DeviceImageDataLoader:
         kwargs = dict(device=self.args.device, seed=self.args.seed, augment=True, drop_last=True)
+        kwargs["channels_last"] = True
         return DeviceImageDataLoader(self.train_dataset, self._train_batch_size, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -199,6 +202,7 @@ def trainer_run(mode: str, budget: Budget, data: ImageTensors, args: Any) -> dic
     model = trainer = controller = None
     with harness.variant(row):
         model = harness.build_model(size=args.size)
+        to_channels_last(model)  # TriAccelTrainer would; the stock Trainer gets it so too
         budget.attach(model)
         common = dict(per_device_train_batch_size=args.effective_batch, max_steps=args.steps)
         common.update(learning_rate=harness.LR, weight_decay=harness.WEIGHT_DECAY, seed=0)
@@ -288,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"resnet18_cifar ({args.size}), effective batch {E}, {kind} of {budget.budget} bytes")
     config = {"memory": kind, "budget_bytes": budget.budget, "device_total_bytes": budget.total}
     config.update(autocast="bfloat16", optimizer="AdamW(fused)", lr=harness.LR)
+    config["layout"] = "channels_last"  # model and batches, in every part
     config.update(weight_decay=harness.WEIGHT_DECAY, cudnn_benchmark=torch.backends.cudnn.benchmark)
     payload = {"config": config, "controller_run": run, "trainers": rows}
     harness.finish("bench_elastic", __file__, args, payload, report(run, rows, args.steps))
