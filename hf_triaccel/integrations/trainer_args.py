@@ -198,8 +198,8 @@ class TriAccelArguments(TrainingArguments):
         metadata={
             "help": "A model with 2-D convolutions, and the 4-D image batches fed to it, in "
             "channels_last memory format (cuDNN's fastest convolutions in bf16/fp16); models "
-            "without them are left as they are. Saved weights stay contiguous either way. "
-            "Off: the model keeps the layout it was given."
+            "without them are left as they are, and so are sharded ones (fsdp, deepspeed). "
+            "Saved weights stay contiguous either way. Off: the model keeps its layout."
         },
     )
     device_data_augment: bool = field(
