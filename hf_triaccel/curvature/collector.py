@@ -4,7 +4,13 @@ The collector decides *which* modules carry factors (by :func:`rule_for`), takes
 their statistics with removable hooks while :attr:`FisherCollector.collecting` is on,
 accumulates them over micro-batches, and folds them into the running factors once
 per optimizer step (:meth:`FisherCollector.fold`). *When* to collect is the
-optimizer's decision. Factors are saved by layer name.
+optimizer's decision. The hooks are registered only while collecting: the steps between
+two refreshes run the model unhooked, at no host cost (:mod:`~hf_triaccel.curvature.hooks`).
+
+Parameters are matched to their factors by identity, looked up as the modules hold them
+now (FSDP2 replaces a model's parameters with DTensors); a parameter sharded by rows
+gets the slice of its factors that its local rows read
+(:mod:`~hf_triaccel.curvature.sharding`).
 
 A refresh step runs the hooks of every layer, so they are kept to the device work
 itself: each writes its statistic straight into a preallocated buffer of the layer
@@ -12,25 +18,27 @@ itself: each writes its statistic straight into a preallocated buffer of the lay
 (:meth:`FisherRule.a_write` / :meth:`FisherRule.g_write`: for the built-in rules, one or
 two kernel launches and, for some layers, one more operation), with no allocation, host
 synchronisation or per-call shape arithmetic once a layer has seen its input shape.
-Whatever is linear in the
-micro-batches and the same for all of them (merging the slots of several micro-batches,
-the constant entries of ``a``, the average over micro-batches, the loss scale) is left
-to :meth:`FisherCollector.fold`, once per refresh, in batched operations over all layers.
+Whatever is linear in the micro-batches and the same for all of them (merging slots, the
+constant entries of ``a``, the averages, the loss scale) is left to
+:meth:`FisherCollector.fold`, once per refresh, in batched operations over all layers.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hf_triaccel._types import EMA_MODES, ParamFactors
+from hf_triaccel.curvature.averaging import average_statistics
 from hf_triaccel.curvature.fold import FactorFold
-from hf_triaccel.curvature.layer import LayerFactors, PendingStatistic
+from hf_triaccel.curvature.hooks import ActivationHook, OutputHook
+from hf_triaccel.curvature.layer import LayerFactors
 from hf_triaccel.curvature.rules import FisherRule, rule_for
+from hf_triaccel.curvature.sharding import local_factors, local_rows
 
 # Sets of ready layers whose folds are kept: all layers, usually; a model whose layers
 # take turns (a mixture of experts) must not pile up folds.
@@ -39,6 +47,11 @@ _MAX_FOLD_SETS = 8
 # model -> its collector; weak, and outside the model so that copies of the model
 # (EMA or teacher copies) do not carry it
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, FisherCollector] = weakref.WeakKeyDictionary()
+
+
+def _no_model() -> None:
+    """The model reference of a collector copied without a model."""
+    return None
 
 
 class FisherCollector:
@@ -57,12 +70,19 @@ class FisherCollector:
         generation: incremented whenever factor tensors are reallocated (the model
             moved to another device), for whoever caches their addresses.
 
+    A collector copies and pickles (``copy.deepcopy``, ``pickle``): copied together with
+    its model (or with an optimizer holding it), the copy takes statistics on the copied
+    model; a copy of the model alone carries no live hooks.
+
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
         >>> collector = FisherCollector(model)
         >>> sorted(collector.layers)
         ['0', '2']
-        >>> collector.remove()
+        >>> collector.collecting = False  # between refreshes: no hooks on the model
+        >>> len(model[0]._forward_pre_hooks)
+        0
+        >>> collector.detach()
     """
 
     def __init__(
@@ -77,43 +97,39 @@ class FisherCollector:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if ema not in EMA_MODES:
             raise ValueError(f"ema={ema!r} is not one of {EMA_MODES}")
-        previous = _ATTACHED.get(model)
-        if previous is not None and previous.attached:
-            warnings.warn(
-                "the model already had a FisherCollector: its hooks were removed so that "
-                "statistics are not taken twice",
-                stacklevel=2,
-            )
-            previous.remove()
         self.ema = ema
         self.impl = impl
-        self.collecting = True
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.generation = 0
         self.layers: dict[str, LayerFactors] = {}
-        self._by_param: dict[nn.Parameter, ParamFactors] = {}
         # the folds of each set of ready layers, valid for the generation they were made in
         self._fold_cache: tuple[int, dict[tuple[str, ...], list[FactorFold]]] = (0, {})
         unknown = set(exclude) - {n for n, _ in model.named_modules()}
         if unknown:
             raise ValueError(f"exclude names modules the model does not have: {sorted(unknown)}")
+        owned: set[torch.Tensor] = set()
         for name, module in model.named_modules():
             rule = rule_for(module)
             if rule is None or name in exclude:
                 continue
-            self._add_layer(name, module, rule)
-        _ATTACHED[model] = self
-        self._model_ref = weakref.ref(model)
+            self._add_layer(name, module, rule, owned)
+        self._model_ref: Any = weakref.ref(model)
+        self._collecting = True
+        self._attached = False
+        self.attach()
 
-    def _add_layer(self, name: str, module: nn.Module, rule: FisherRule) -> None:
+    def _add_layer(
+        self, name: str, module: nn.Module, rule: FisherRule, taken: set[torch.Tensor]
+    ) -> None:
         layouts = rule.layouts(module)
         owned = {
             attr: p
             for attr, p in module.named_parameters(recurse=False)
-            if p.requires_grad and attr in layouts and p not in self._by_param
+            if p.requires_grad and attr in layouts and p not in taken
         }
         if not owned:
             return
+        taken.update(owned.values())
         anchor = next(iter(owned))
         device = owned[anchor].device
         a_len, g_len = rule.sizes(module)
@@ -142,92 +158,147 @@ class FisherCollector:
             owners=[None],
             anchor=anchor,
         )
-        layer.handles.append(
-            module.register_forward_pre_hook(self._pre_hook(layer), with_kwargs=True)
-        )
-        layer.handles.append(layer.output_module.register_forward_hook(self._output_hook(layer)))
         self.layers[name] = layer
-        for attr, p in owned.items():
-            self._by_param[p] = ParamFactors(layer.g, layer.a, layer.layouts[attr])
+
+    # -- hooks ----------------------------------------------------------------------
 
     @property
     def attached(self) -> bool:
-        """Whether the hooks are still registered."""
-        return any(layer.handles for layer in self.layers.values())
+        """Whether the collector is attached to its model (between :meth:`attach` and
+        :meth:`detach`); its hooks are registered while it is also :attr:`collecting`."""
+        return self._attached
 
-    def _move(self, layer: LayerFactors, device: torch.device) -> None:
-        """Moves a layer's tensors to where its module now is."""
-        for t in layer.tensors() + layer.slots[1:]:
-            t.data = t.data.to(device)
-        # cached views and scratch buffers belong to the old storage
-        layer.cache.clear()
-        self.generation += 1
+    @property
+    def collecting(self) -> bool:
+        """Whether statistics are taken in the forwards and backwards from now on (set by
+        the optimizer before each refresh step's forward, cleared after its fold). While
+        it is off the hooks are removed from the model."""
+        return self._collecting
 
-    def _pre_hook(self, layer: LayerFactors):
-        """Takes the activation statistic from the module input, before its forward."""
+    @collecting.setter
+    def collecting(self, value: bool) -> None:
+        value = bool(value)
+        if value == self._collecting:
+            return
+        self._collecting = value
+        if self._attached:
+            if value:
+                self._register()
+            else:
+                self._unregister()
 
-        def hook(module, args, kwargs):
-            # a deep copy of the model shares these closures: ignore the copy's calls
-            if not self.collecting or module is not layer.module or not torch.is_grad_enabled():
-                return
-            x = args[0] if args else next(iter(kwargs.values()))
-            device = getattr(module, layer.anchor).device
-            if layer.a_sum.device != device:  # the model moved since the last call
-                self._move(layer, device)
-            slot = layer.free_slot()
-            last = layer.rule.a_write(module, x.detach(), layer.slots[slot], self.impl, layer.cache)
-            pending = PendingStatistic(slot, last)
-            layer.owners[slot] = weakref.ref(pending)
-            layer.pending_a.append(pending)
+    def attach(self) -> None:
+        """Attaches the collector to its model again after :meth:`detach` (factors and
+        the statistics gathered so far are kept). A collector attached to the same model
+        is detached first, with a warning, so that statistics are not taken twice."""
+        if self._attached:
+            return
+        model = self._model_ref()
+        previous = None if model is None else _ATTACHED.get(model)
+        if previous is not None and previous is not self and previous.attached:
+            warnings.warn(
+                "the model already had a FisherCollector: its hooks were removed so that "
+                "statistics are not taken twice",
+                stacklevel=3,
+            )
+            previous.detach()
+        if model is not None:
+            _ATTACHED[model] = self
+        self._attached = True
+        if self._collecting:
+            self._register()
 
-        return hook
+    def detach(self) -> None:
+        """Removes every hook from the model; factors stay readable, and :meth:`attach`
+        hooks the model again."""
+        self._unregister()
+        self._attached = False
+        model = self._model_ref()
+        if model is not None and _ATTACHED.get(model) is self:
+            del _ATTACHED[model]
 
-    def _output_hook(self, layer: LayerFactors):
-        """Pairs the pending activation statistic with the gradient of the output.
+    def remove(self) -> None:
+        """Same as :meth:`detach`."""
+        self.detach()
 
-        The statistic counts only when the gradient arrives, so a forward that no
-        backward follows (an evaluation pass with autograd on) leaves no trace.
+    def _register(self) -> None:
+        for layer in self.layers.values():
+            if layer.handles:
+                continue
+            layer.handles += (
+                layer.module.register_forward_pre_hook(
+                    ActivationHook(self, layer), with_kwargs=True
+                ),
+                layer.output_module.register_forward_hook(OutputHook(self, layer)),
+            )
+
+    def _unregister(self) -> None:
+        for layer in self.layers.values():
+            for handle in layer.handles:
+                handle.remove()
+            layer.handles.clear()
+
+    # -- parameters -----------------------------------------------------------------
+
+    def _params(self) -> dict[torch.Tensor, tuple[LayerFactors, str]]:
+        """Every covered parameter, as its module holds it now, with its layer and name."""
+        index: dict[torch.Tensor, tuple[LayerFactors, str]] = {}
+        for layer in self.layers.values():
+            for attr in layer.layouts:
+                p = layer.module._parameters.get(attr)
+                if p is not None:
+                    index.setdefault(p, (layer, attr))
+        return index
+
+    def param_factors(self) -> dict[torch.Tensor, ParamFactors]:
+        """The factors of every parameter the collector covers, by identity of the
+        parameter as its module holds it now. A parameter sharded by rows (a DTensor of
+        FSDP2) gets the slice of its factors that its local rows read, as views of the
+        full vectors, laid out for its local shard.
+
+        Example:
+            >>> collector = FisherCollector(nn.Linear(3, 2))
+            >>> [f.layout.a_off for f in collector.param_factors().values()]  # weight, bias
+            [0, 3]
         """
+        out = {}
+        for p, (layer, attr) in self._params().items():
+            full = ParamFactors(layer.g, layer.a, layer.layouts[attr])
+            rows = local_rows(p)
+            out[p] = full if rows is None else local_factors(full, p.shape, rows)
+        return out
 
-        def hook(module, args, output):
-            if module is not layer.output_module or not layer.pending_a:
-                return
-            pending = layer.pending_a.pop()
-            if not isinstance(output, torch.Tensor) or not output.requires_grad:
-                return
+    def factors_for(self, param: torch.Tensor) -> ParamFactors | None:
+        """The factors a parameter is preconditioned with, matched by identity (see
+        :meth:`param_factors`, which looks every parameter up at once)."""
+        return self.param_factors().get(param)
 
-            def grad_hook(grad: torch.Tensor) -> None:
-                layer.confirm(pending)
-                if grad.requires_grad:  # a backward that builds a graph (create_graph)
-                    grad = grad.detach()
-                accumulate = layer.g_count > 0
-                layer.rule.g_write(
-                    layer.module, grad, layer.g_sum, accumulate, self.impl, layer.cache
-                )
-                layer.g_count += 1
+    def checkpoint_tensors(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """The factor tensors saved with each covered parameter's optimizer state: its
+        layer's running factors (``fisher_a``, ``fisher_g``) and, with ``ema="paper"``,
+        the normalised ones the update reads (``fisher_a_used``, ``fisher_g_used``). The
+        live, full vectors: loading copies into them.
 
-            output.register_hook(grad_hook)
-
-        return hook
-
-    def factors_for(self, param: nn.Parameter) -> ParamFactors | None:
-        """The factors a parameter is preconditioned with, matched by identity."""
-        return self._by_param.get(param)
+        Example:
+            >>> model = nn.Linear(3, 2)
+            >>> sorted(FisherCollector(model).checkpoint_tensors()[model.bias])
+            ['fisher_a', 'fisher_g']
+        """
+        out = {}
+        for p, (layer, _) in self._params().items():
+            out[p] = {"fisher_a": layer.a_ema, "fisher_g": layer.g_ema}
+            if layer.a is not layer.a_ema:
+                out[p].update(fisher_a_used=layer.a, fisher_g_used=layer.g)
+        return out
 
     def fold(self, gamma: float) -> None:
         """Folds the statistics accumulated since the last fold into the factors.
 
-        Averages over micro-batches and, when ``torch.distributed`` is initialised,
-        over processes (one all-reduce of every sum and count), removes a GradScaler's
-        loss scale from the gradient statistics, and resets the accumulators. Layers
-        that saw no complete forward/backward since the last fold keep their factors.
-
-        Under data parallelism each process's loss is a mean over its own share of
-        the batch, so its output gradients are ``world_size`` times those of the
-        global-batch loss: gradient statistics are divided by ``world_size**2``, which
-        makes Linear and Conv factors equal to a single process's on the global batch.
-        (Normalisation layers' statistics are squares of batch sums: they are averaged
-        over processes, not equal to the global-batch ones.)
+        Averages over micro-batches and, when ``torch.distributed`` runs several
+        processes, over them (one all-reduce per device of every sum and count; see
+        :mod:`~hf_triaccel.curvature.averaging`), removes a GradScaler's loss scale from
+        the gradient statistics, and resets the accumulators. Layers that saw no complete
+        forward/backward since the last fold keep their factors.
         """
         ready = [ly for ly in self.layers.values() if ly.a_count and ly.g_count]
         if ready:
@@ -236,23 +307,7 @@ class FisherCollector:
             ly.reset()
 
     def _fold_ready(self, ready: list[LayerFactors], gamma: float) -> None:
-        distributed = dist.is_available() and dist.is_initialized()
-        distributed = distributed and dist.get_world_size() > 1
-        self._merge_slots(ready)
-        self._write_last_entries(ready, force=distributed)
-        g_scale: torch.Tensor | float = 1.0
-        if distributed:
-            g_scale = self._average_over_processes(ready)
-        else:
-            # averages over micro-batches: nothing to do for the usual single one
-            several = [ly for ly in ready if ly.a_count > 1 or ly.g_count > 1]
-            if several:
-                torch._foreach_div_(
-                    [t for ly in several for t in (ly.a_sum, ly.g_sum)],
-                    [float(c) for ly in several for c in (ly.a_count, ly.g_count)],
-                )
-                for ly in several:
-                    ly.last_written = None
+        g_scale: torch.Tensor | float = average_statistics(ready)
         scaler = self.grad_scaler
         if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
             g_scale = g_scale * scaler._scale.double().square().float()
@@ -260,62 +315,6 @@ class FisherCollector:
             torch._foreach_div_([ly.g_sum for ly in ready], g_scale)
         for fold in self._folds(ready):
             fold(self.ema, gamma)
-
-    @staticmethod
-    def _merge_slots(ready: list[LayerFactors]) -> None:
-        """Gathers each layer's confirmed statistics into slot 0 (``a_sum``): in place
-        when the first micro-batch used it, by a copy otherwise, then one batched
-        addition per further micro-batch."""
-        copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        adds: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        for ly in ready:
-            order = list(ly.confirmed)
-            if order == [0]:
-                continue
-            if 0 in order:
-                order.remove(0)
-            else:
-                first = order.pop(0)
-                copies[0].append(ly.a_sum)
-                copies[1].append(ly.slots[first])
-                ly.last_written = None  # the copy overwrote the last entry too
-            for k, slot in enumerate(order):
-                if k == len(adds):
-                    adds.append(([], []))
-                adds[k][0].append(ly.a_sum)
-                adds[k][1].append(ly.slots[slot])
-        if copies[0]:
-            torch._foreach_copy_(*copies)
-        for dst, src in adds:
-            torch._foreach_add_(dst, src)
-
-    @staticmethod
-    def _write_last_entries(ready: list[LayerFactors], force: bool) -> None:
-        """Sets the last entry of ``a_sum`` where the rule left it to the fold (the bias
-        column, a norm layer's size entry), unless it already holds that value."""
-        stale = [ly for ly in ready if ly.has_last and (force or ly.last_written != ly.last_sum)]
-        if not stale:
-            return
-        ends = [ly.a_sum[-1:] for ly in stale]
-        torch._foreach_zero_(ends)
-        torch._foreach_add_(ends, [ly.last_sum for ly in stale])
-        for ly in stale:
-            # an all-reduce or an average will change it again
-            ly.last_written = None if force or ly.a_count > 1 else ly.last_sum
-
-    def _average_over_processes(self, ready: list[LayerFactors]) -> float:
-        """Sums the statistics and counts over processes and divides by the counts."""
-        device = ready[0].a_sum.device
-        counts = torch.tensor(
-            [c for ly in ready for c in (ly.a_count, ly.g_count)], dtype=torch.float32
-        )
-        if device.type == "cuda":  # a pinned source keeps the copy asynchronous
-            counts = counts.pin_memory()
-        counts = counts.to(device, non_blocking=True)
-        sums = [t for ly in ready for t in (ly.a_sum, ly.g_sum)]
-        g_scale = self._all_reduce(sums + [counts])
-        torch._foreach_div_(sums, list(counts.unbind()))
-        return g_scale
 
     def _folds(self, ready: list[LayerFactors]) -> list[FactorFold]:
         """One :class:`FactorFold` per device for the ``ready`` layers: the fold's one
@@ -335,15 +334,6 @@ class FisherCollector:
                 del folds[next(iter(folds))]
             folds[key] = [FactorFold(*lists, impl=self.impl) for lists in by_device.values()]
         return folds[key]
-
-    @staticmethod
-    def _all_reduce(tensors: list[torch.Tensor]) -> float:
-        """Sums ``tensors`` over processes in one bucketed call; returns the factor
-        that gradient statistics must be divided by (``world_size**2``)."""
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        torch._foreach_copy_(tensors, list(flat.split([t.numel() for t in tensors])))
-        return float(dist.get_world_size()) ** 2
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Running factors by layer name (accumulators are not saved: a checkpoint is
@@ -378,21 +368,30 @@ class FisherCollector:
                     )
                 dst.copy_(src)
 
-    def remove(self) -> None:
-        """Removes every hook; factors stay readable."""
-        for ly in self.layers.values():
-            for h in ly.handles:
-                h.remove()
-            ly.handles.clear()
-        model = self._model_ref()
-        if model is not None and _ATTACHED.get(model) is self:
-            del _ATTACHED[model]
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the folds (they hold this collector's addresses), with the model,
+        so that a copy hooks the copy of the model."""
+        state = {k: v for k, v in vars(self).items() if k not in ("_fold_cache", "_model_ref")}
+        state["model"] = self._model_ref()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        model = state.pop("model")
+        self.__dict__.update(state)
+        self._fold_cache = (0, {})
+        self._model_ref = _no_model if model is None else weakref.ref(model)
+        self._unregister()  # the copied modules hold inert stand-ins of the original's hooks
+        if self._attached:
+            if model is not None:
+                _ATTACHED[model] = self
+            if self._collecting:
+                self._register()
 
     def __enter__(self) -> FisherCollector:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.remove()
+        self.detach()
 
     def __repr__(self) -> str:
         return f"FisherCollector(layers={len(self.layers)}, ema={self.ema!r})"

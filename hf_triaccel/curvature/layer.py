@@ -5,6 +5,10 @@ forward's output arrives (a forward that no backward follows must leave no trace
 first slot is the layer's ``a_sum`` itself, so with one micro-batch per optimizer step
 nothing is copied. :class:`~hf_triaccel.curvature.collector.FisherCollector` owns the
 layers and their hooks.
+
+A layer copies and pickles with its factors and the statistics gathered so far; what
+belongs to live forwards (their pending records, the owners of the slots) and the rule's
+cached plans (views of the old storage) are left out and rebuilt.
 """
 
 from __future__ import annotations
@@ -88,6 +92,25 @@ class LayerFactors:
     def tensors(self) -> list[torch.Tensor]:
         return [self.a_ema, self.g_ema, self.a, self.g, self.a_sum, self.g_sum]
 
+    def follow(self, device: torch.device) -> bool:
+        """Moves the layer's tensors to ``device`` (where its module now computes), in
+        place so that every view and reference follows; returns whether they moved."""
+        if self.a_sum.device == device:
+            return False
+        for t in {id(t): t for t in self.tensors() + self.slots[1:]}.values():
+            t.data = t.data.to(device)
+        self.cache.clear()  # cached views and scratch buffers belong to the old storage
+        return True
+
+    def take_activation(self, module: nn.Module, x: torch.Tensor, impl: str | None) -> None:
+        """Writes the activation statistic of input ``x`` into a free slot, pending until
+        the gradient of this forward's output confirms it."""
+        slot = self.free_slot()
+        last = self.rule.a_write(module, x, self.slots[slot], impl, self.cache)
+        pending = PendingStatistic(slot, last)
+        self.owners[slot] = weakref.ref(pending)
+        self.pending_a.append(pending)
+
     def free_slot(self) -> int:
         """A slot that no confirmed statistic and no live forward holds."""
         for i, owner in enumerate(self.owners):
@@ -116,6 +139,14 @@ class LayerFactors:
             a[-1] = self.last_sum
         g = self.g_sum.clone() if self.g_count else torch.zeros_like(self.g_sum)
         return a, g
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(cache={}, pending_a=[], owners=[None] * len(self.slots))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def reset(self) -> None:
         """Forgets the statistics gathered since the last fold (slots of forwards still

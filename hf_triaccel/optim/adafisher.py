@@ -4,6 +4,14 @@ The optimizer decides *when* statistics are taken (every ``update_every`` optimi
 steps, plus before the first step) and folds them into the factors held by a
 :class:`~hf_triaccel.curvature.collector.FisherCollector`. The collector, not the
 optimizer, owns the hooks.
+
+Parameters sharded by FSDP2 (DTensors, ``Shard(0)``) are updated where they live: each
+process steps its local rows with the slice of the factors they read, and keeps its
+momentum as a DTensor of the parameter's placements, so that
+``torch.distributed.checkpoint`` saves and reshards the state. The Fisher factors ride in
+the per-parameter state (``fisher_a``, ``fisher_g``: the full vectors, the same on every
+process) and the refresh schedule in each saved param group (``fisher_steps``), the parts
+of a state dict that ``torch.distributed.checkpoint.state_dict`` keeps.
 """
 
 from __future__ import annotations
@@ -12,61 +20,34 @@ import itertools
 import operator
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from hf_triaccel._types import ParamFactors
 from hf_triaccel.curvature.collector import FisherCollector
+from hf_triaccel.curvature.sharding import local_tensor
 from hf_triaccel.dispatch import resolve_impl
-from hf_triaccel.optim.checkpoint import FISHER_KEY, check_loadable, restore_states
+from hf_triaccel.optim.checkpoint import (
+    FISHER_KEY,
+    SCHEDULE_KEY,
+    check_loadable,
+    restore_states,
+    saved_schedule,
+)
 from hf_triaccel.optim.config import (
     AdaFisherConfig,
     check_step_hyperparameters,
     impl_from_torch_flags,
 )
-from hf_triaccel.optim.functional import compute_dtype, prepare_adafisher
+from hf_triaccel.optim.functional import prepare_adafisher
 from hf_triaccel.optim.groups import param_groups
+from hf_triaccel.optim.plans import GroupPlan, plan_group
 
 _TORCH_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 _grad_of = operator.attrgetter("grad")
 _NONES = itertools.repeat(None)
-
-
-@dataclass
-class _DevicePart:
-    """The parameters of one param group on one device that have gradients."""
-
-    device: torch.device
-    positions: list[int] | None  # their positions in the group; None: every parameter
-    params: list[torch.Tensor]
-    moms: list[torch.Tensor]
-    factors: list[ParamFactors | None]
-    # One buffer of step counts, so that counting a step is one operation; each
-    # parameter's state["step"] is a view of its entry, as torch optimizers keep it.
-    counts: torch.Tensor
-    steps: list[torch.Tensor]
-    impl: str
-    update: Callable[..., None]
-
-
-@dataclass
-class _GroupPlan:
-    """What :meth:`AdaFisher.step` reuses for a param group from step to step; valid
-    while the group, the optimizer's state mapping, the set of the group's parameters
-    with gradients and the collector's factor storage stay the same (a state entry
-    replaced in place, other than by :meth:`AdaFisher.load_state_dict`, is not seen)."""
-
-    group: dict[str, Any]
-    state: dict[Any, Any]  # the optimizer's state mapping the momenta were taken from
-    params: list[torch.Tensor]
-    n_params: int
-    has_grad: tuple[bool, ...]
-    generation: int
-    parts: list[_DevicePart]
 
 
 class AdaFisher(Optimizer):
@@ -168,7 +149,7 @@ class AdaFisher(Optimizer):
         self.ema = config.ema
         self.impl = config.impl
         self.fisher_steps = 0
-        self._plans: list[_GroupPlan | None] = []
+        self._plans: list[GroupPlan | None] = []
         self._sync_collecting()
 
     @classmethod
@@ -264,7 +245,16 @@ class AdaFisher(Optimizer):
                 or plan.has_grad != has_grad
                 or plan.generation != generation
             ):
-                plan = self._plans[i] = self._plan_group(group, grads, has_grad, generation)
+                plan = self._plans[i] = plan_group(
+                    self.state,
+                    group,
+                    grads,
+                    has_grad,
+                    generation,
+                    collector=collector,
+                    impl=self.impl,
+                    owner=type(self).__name__,
+                )
             lr, beta = group["lr"], group["beta"]
             weight_decay, damping = group["weight_decay"], group["damping"]
             check_step_hyperparameters(lr, beta, weight_decay, damping, owner=type(self).__name__)
@@ -276,8 +266,11 @@ class AdaFisher(Optimizer):
                     )
                     part.impl = impl
                 part.counts.add_(1.0)
+                part_grads = grads if part.positions is None else [grads[j] for j in part.positions]
+                if part.sharded:
+                    part_grads = list(map(local_tensor, part_grads))
                 part.update(
-                    grads if part.positions is None else [grads[j] for j in part.positions],
+                    part_grads,
                     lr=lr,
                     beta=beta,
                     weight_decay=weight_decay,
@@ -289,85 +282,42 @@ class AdaFisher(Optimizer):
         self._sync_collecting()
         return loss
 
-    def _plan_group(
-        self,
-        group: dict[str, Any],
-        grads: list[torch.Tensor | None],
-        has_grad: tuple[bool, ...],
-        generation: int,
-    ) -> _GroupPlan:
-        """Creates missing state and binds the update of a group's parameters with
-        gradients, one part per device (the update routes by dtype itself)."""
-        params = group["params"]
-        by_device: dict[torch.device, list[int]] = {}
-        for j, (p, g) in enumerate(zip(params, grads, strict=True)):
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["momentum"] = torch.zeros_like(p, dtype=compute_dtype(p.dtype))
-            by_device.setdefault(p.device, []).append(j)
-        parts = []
-        for device, positions in by_device.items():
-            ps = [params[j] for j in positions]
-            states = [self.state[p] for p in ps]
-            counts = torch.stack([s["step"] for s in states]).to(device, torch.float32)
-            steps = list(counts.unbind())
-            for state, step in zip(states, steps, strict=True):
-                state["step"] = step
-            moms = [s["momentum"] for s in states]
-            factors = [
-                None if self.collector is None else self.collector.factors_for(p) for p in ps
-            ]
-            impl = resolve_impl(self.impl, device)
-            parts.append(
-                _DevicePart(
-                    device=device,
-                    positions=None if len(positions) == len(params) else positions,
-                    params=ps,
-                    moms=moms,
-                    factors=factors,
-                    counts=counts,
-                    steps=steps,
-                    impl=impl,
-                    update=prepare_adafisher(ps, moms, factors, steps, impl=impl),
-                )
-            )
-        return _GroupPlan(group, self.state, params, len(params), has_grad, generation, parts)
-
     def state_dict(self) -> dict[str, Any]:
-        """The torch optimizer state plus the Fisher factors (by layer name) and the
-        refresh schedule, so that a resumed run continues exactly."""
+        """The torch optimizer state, whose per-parameter entries hold the Fisher factors
+        of the parameter's layer, plus the refresh schedule in every param group, so that
+        a resumed run continues exactly."""
         sd = super().state_dict()
-        sd[FISHER_KEY] = {
-            "fisher_steps": self.fisher_steps,
-            "factors": None if self.collector is None else self.collector.state_dict(),
-        }
+        for group in sd["param_groups"]:
+            group[SCHEDULE_KEY] = self.fisher_steps
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state dict of :meth:`state_dict` (torch's older format, with each
-        ``step`` a number, too).
+        """Loads a state dict of :meth:`state_dict`, as saved or through
+        ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` (torch's
+        older format, with each ``step`` a number, and hf_triaccel 0.2's, with the
+        factors by layer name, too).
 
         Raises:
             ValueError: a state dict of another optimizer (AdamW's, say), naming the
                 entries it lacks; or one that does not match the param groups.
         """
         state_dict = dict(state_dict)
-        fisher = state_dict.pop(FISHER_KEY, None)
+        legacy = state_dict.pop(FISHER_KEY, None)
         check_loadable(state_dict, f"{type(self).__name__}.load_state_dict")
+        fisher_steps, state_dict["param_groups"] = saved_schedule(state_dict["param_groups"])
         super().load_state_dict(state_dict)
-        restore_states(self, state_dict)
+        collector = self.collector
+        restore_states(
+            self, state_dict, {} if collector is None else collector.checkpoint_tensors()
+        )
         self._plans = []  # the momenta and steps were replaced
-        if fisher is None:
-            return
-        self.fisher_steps = int(fisher["fisher_steps"])
-        if self.collector is not None and fisher["factors"] is not None:
-            self.collector.load_state_dict(fisher["factors"])
-        self._sync_collecting()
+        if legacy is not None:
+            fisher_steps = legacy["fisher_steps"]
+            if collector is not None and legacy["factors"] is not None:
+                collector.load_state_dict(legacy["factors"])
+        if fisher_steps is not None:
+            self.fisher_steps = int(fisher_steps)
+            self._sync_collecting()
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and pickle keep: torch's state (without its hooks, as

@@ -1,10 +1,15 @@
 """AdaFisher's saved state: what a state dict must hold, and how a saved entry is restored.
 
-The torch part of the state dict holds, per param group, ``lr``, ``beta``, ``damping``,
-``weight_decay`` (and ``maximize``, which groups saved before it existed default to
-``False``), and per parameter ``step`` (a one-element float32 tensor, or a number in
-torch's older format) and ``momentum``. The optimizer adds the Fisher factors and the
-refresh schedule under :data:`FISHER_KEY`.
+The state dict holds, per param group, ``lr``, ``beta``, ``damping``, ``weight_decay``
+(and ``maximize``, which groups saved before it existed default to ``False``) and the
+refresh schedule (:data:`SCHEDULE_KEY`), and per parameter ``step`` (a one-element float32
+tensor, or a number in torch's older format), ``momentum`` (shaped like the parameter: a
+DTensor for a DTensor parameter) and, for a parameter of a layer with Fisher factors, the
+factors of that layer (``fisher_a``, ``fisher_g``, and with ``ema="paper"``
+``fisher_a_used``, ``fisher_g_used``: full vectors, shared by the layer's parameters).
+Those are the parts that ``torch.distributed.checkpoint.state_dict`` keeps. hf_triaccel 0.2
+kept the factors by layer name and the schedule under :data:`FISHER_KEY`; such state dicts
+still load.
 """
 
 from __future__ import annotations
@@ -15,10 +20,15 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from hf_triaccel.curvature.sharding import is_sharded
 from hf_triaccel.optim.functional import compute_dtype
 
 FISHER_KEY = "fisher"
-"""Where the optimizer's state dict keeps the Fisher factors and the refresh schedule."""
+"""Where hf_triaccel 0.2's state dicts kept the Fisher factors and the refresh schedule."""
+
+SCHEDULE_KEY = "fisher_steps"
+"""The param-group entry of a saved state dict that holds the refresh schedule: the
+optimizer steps taken, the same in every group."""
 
 GROUP_KEYS = ("lr", "beta", "damping", "weight_decay")
 STATE_KEYS = ("step", "momentum")
@@ -63,13 +73,38 @@ def check_loadable(state_dict: Mapping[str, Any], owner: str) -> None:
             )
 
 
-def restore_states(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> None:
+def saved_schedule(groups: list[dict[str, Any]]) -> tuple[int | None, list[dict[str, Any]]]:
+    """The refresh schedule saved in param groups (``None`` when none holds one) and the
+    groups without it.
+
+    Example:
+        >>> saved_schedule([{"lr": 0.1, "fisher_steps": 7, "params": [0]}])
+        (7, [{'lr': 0.1, 'params': [0]}])
+    """
+    found = [g[SCHEDULE_KEY] for g in groups if SCHEDULE_KEY in g]
+    rest = [{k: v for k, v in g.items() if k != SCHEDULE_KEY} for g in groups]
+    return (int(found[0]) if found else None), rest
+
+
+def restore_states(
+    optimizer: Optimizer,
+    state_dict: Mapping[str, Any],
+    factor_tensors: Mapping[torch.Tensor, dict[str, torch.Tensor]] | None = None,
+) -> None:
     """Sets each parameter's state from its saved entry, after torch's
     ``load_state_dict``: torch casts the momentum to the parameter's dtype (a bfloat16
     one would lose bits) and leaves ``step`` as saved. The restored ``step`` is a
     float32 tensor, the ``momentum`` of the parameter's compute dtype, both on its
     device and both copies (torch would share the tensors of an optimizer's live
     ``state_dict()``).
+
+    ``factor_tensors`` gives, per parameter, its live factor tensors by state key (the
+    collector's :meth:`~hf_triaccel.curvature.collector.FisherCollector.checkpoint_tensors`):
+    saved factors are copied into them, and the state holds the live tensors.
+
+    Raises:
+        ValueError: a saved momentum whose shape or sharding does not match its
+            parameter's, or saved factors of another length.
 
     Example:
         >>> p = torch.zeros(2, dtype=torch.float64, requires_grad=True)
@@ -85,8 +120,28 @@ def restore_states(optimizer: Optimizer, state_dict: Mapping[str, Any]) -> None:
         if pid not in state_dict["state"]:
             continue
         saved = state_dict["state"][pid]
+        momentum = saved["momentum"]
+        if momentum.shape != p.shape or is_sharded(momentum) != is_sharded(p):
+            kinds = ["a DTensor" if is_sharded(t) else "a tensor" for t in (momentum, p)]
+            raise ValueError(
+                f"the saved momentum of parameter {pid} is {kinds[0]} of shape "
+                f"{tuple(momentum.shape)}, the parameter {kinds[1]} of shape {tuple(p.shape)}; "
+                "a sharded (FSDP2) model's optimizer state loads through "
+                "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict"
+            )
         step = torch.as_tensor(saved["step"], dtype=torch.float32)  # a number in older torch
-        optimizer.state[p] = {
+        state = {
             "step": step.to(p.device, copy=True),
-            "momentum": saved["momentum"].to(p.device, compute_dtype(p.dtype), copy=True),
+            "momentum": momentum.to(p.device, compute_dtype(p.dtype), copy=True),
         }
+        live = {} if factor_tensors is None else factor_tensors.get(p, {})
+        for key, tensor in live.items():
+            if key in saved:
+                if saved[key].shape != tensor.shape:
+                    raise ValueError(
+                        f"the saved {key} of parameter {pid} has shape "
+                        f"{tuple(saved[key].shape)}, its layer's factor {tuple(tensor.shape)}"
+                    )
+                tensor.copy_(saved[key])
+        state.update(live)
+        optimizer.state[p] = state

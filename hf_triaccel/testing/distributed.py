@@ -23,6 +23,9 @@ import torch.multiprocessing as mp
 
 
 def _in_group(rank: int, fn: Callable[[int, int], Any], world: int, folder: str) -> None:
+    # the processes share the machine's cores: a thread pool each would oversubscribe them,
+    # and small operations would wait on each other's spinning threads
+    torch.set_num_threads(1)
     init = f"file://{Path(folder) / 'init'}"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -33,7 +36,7 @@ def _in_group(rank: int, fn: Callable[[int, int], Any], world: int, folder: str)
 
 def run_distributed(fn: Callable[[int, int], Any], world: int, folder: str | Path) -> list[Any]:
     """Runs ``fn(rank, world)`` in ``world`` spawned processes, every one in a gloo process
-    group, and returns what each rank returned, in rank order.
+    group and computing on one thread, and returns what each rank returned, in rank order.
 
     Args:
         fn: a module-level function (the spawned processes import it by name); what it

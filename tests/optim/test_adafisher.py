@@ -381,7 +381,8 @@ def test_state_dict_before_first_step():
     opt = AdaFisher.from_model(model)
     sd = opt.state_dict()
     opt.load_state_dict(sd)
-    assert sd["fisher"]["fisher_steps"] == 0
+    assert [g["fisher_steps"] for g in sd["param_groups"]] == [0, 0]
+    assert "fisher_steps" not in opt.param_groups[0]  # the schedule lives in the optimizer
 
 
 def test_bf16_params_keep_fp32_momentum_across_resume():

@@ -1,0 +1,142 @@
+"""The module hooks that take a layer's statistics, as small objects.
+
+:class:`ActivationHook` (a forward pre-hook) writes the activation statistic of a
+layer's input into a slot; :class:`OutputHook` (a forward hook on the layer, or on the
+submodule whose output gradient the rule reads) pairs that slot with the gradient of
+the output, which confirms it. The
+:class:`~hf_triaccel.curvature.collector.FisherCollector` registers them before the
+forward of a refresh step and removes them after its fold, so that ordinary steps run
+the model unhooked.
+
+A copy of the model alone (an EMA or teacher copy) must not feed the collector: copied
+or pickled, a hook becomes an :class:`InertHook`, which does nothing. A collector copied
+or unpickled together with its model replaces those with hooks of its own.
+
+A forward that activation checkpointing recomputes during the backward counts once: a
+non-reentrant checkpoint (torch's default, used by transformers, timm, torch's
+``checkpoint_wrapper`` and hf_triaccel's own) took the statistic in the original forward,
+so the recompute is skipped (:func:`in_checkpoint_recompute`); a reentrant checkpoint ran
+the original forward without autograd, which takes no statistic, so its recompute does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hf_triaccel.curvature.layer import LayerFactors
+
+if TYPE_CHECKING:
+    from hf_triaccel.curvature.collector import FisherCollector
+
+
+def _current_saved_tensors_hooks() -> Any:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def in_checkpoint_recompute() -> bool:
+    """Whether a module forward running now is a non-reentrant checkpoint's recompute.
+
+    Such a recompute runs inside the backward pass (torch's own test, as FSDP2 and
+    ``torch.utils.module_tracker`` make it: a graph task is running) under the saved-tensor
+    hooks the checkpoint pushes to collect the recomputed activations. A reentrant
+    checkpoint recomputes in the backward too, but without saved-tensor hooks.
+
+    Example:
+        >>> in_checkpoint_recompute()  # a forward outside any backward
+        False
+    """
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    try:
+        return _current_saved_tensors_hooks() is not None
+    except (AttributeError, TypeError):
+        # a torch without this query: take the statistic; the recompute's output gets no
+        # gradient, so it is never confirmed and still counts once
+        return False
+
+
+class InertHook:
+    """What a copied or unpickled statistics hook becomes: a hook that does nothing.
+
+    Example:
+        >>> InertHook()(nn.Linear(2, 2), (torch.zeros(1, 2),), {}) is None
+        True
+    """
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _StatisticsHook:
+    """What both hooks share: the layer they serve, its collector, how they copy."""
+
+    __slots__ = ("collector", "layer")
+
+    def __init__(self, collector: FisherCollector, layer: LayerFactors) -> None:
+        self.collector = collector
+        self.layer = layer
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
+        return InertHook()
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return InertHook, ()
+
+
+class ActivationHook(_StatisticsHook):
+    """Forward pre-hook: the activation statistic of the layer's input, in a new slot.
+
+    Example:
+        >>> from hf_triaccel.curvature.collector import FisherCollector
+        >>> collector = FisherCollector(nn.Linear(3, 2))
+        >>> [type(h).__name__ for h in collector.layers[""].module._forward_pre_hooks.values()]
+        ['ActivationHook']
+        >>> collector.detach()
+    """
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        layer = self.layer
+        # a shallow copy of the model shares the hook dicts: ignore the copy's calls
+        if module is not layer.module or not torch.is_grad_enabled() or in_checkpoint_recompute():
+            return
+        x = args[0] if args else next(iter(kwargs.values()))
+        if layer.follow(getattr(module, layer.anchor).device):
+            self.collector.generation += 1  # whoever cached the factors' addresses
+        layer.take_activation(module, x.detach(), self.collector.impl)
+
+
+class OutputHook(_StatisticsHook):
+    """Forward hook: registers, on the output, the gradient hook that confirms the
+    pending activation statistic and takes the gradient statistic.
+
+    The statistic counts only when the gradient arrives, so a forward that no backward
+    follows (an evaluation pass with autograd on) leaves no trace.
+    """
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        layer = self.layer
+        if module is not layer.output_module or not layer.pending_a:
+            return
+        pending = layer.pending_a.pop()
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        impl = self.collector.impl
+
+        def grad_hook(grad: torch.Tensor) -> None:
+            layer.confirm(pending)
+            if grad.requires_grad:  # a backward that builds a graph (create_graph)
+                grad = grad.detach()
+            accumulate = layer.g_count > 0
+            layer.rule.g_write(layer.module, grad, layer.g_sum, accumulate, impl, layer.cache)
+            layer.g_count += 1
+
+        output.register_hook(grad_hook)
