@@ -42,8 +42,8 @@ from hf_triaccel.memory import (
     ElasticBatchError,
     MemoryProbe,
     batch_size,
-    checkpoint_largest_blocks,
     default_probe,
+    enable_activation_checkpointing,
     is_oom,
     slice_batch,
 )
@@ -113,8 +113,11 @@ class TrainerElasticBatch(TrainerCallback):
     The effective batch per device is the Trainer's batch; set
     ``gradient_accumulation_steps=1`` and let the controller accumulate: with Trainer
     accumulation, an OOM in any but the first micro-batch of an optimizer step cannot
-    be re-run exactly and raises. Single device and DDP; DeepSpeed and FSDP are
-    refused.
+    be re-run exactly and raises. Single device, DDP and FSDP2; DeepSpeed is refused.
+    Under FSDP the ranks agree on the micro-batch as under DDP, but an out-of-memory
+    error on one rank is not re-run: FSDP gathers parameters inside the forward and
+    backward, so a rank that re-ran alone would no longer match the others' collectives.
+    It raises :class:`~hf_triaccel.memory.ElasticBatchError` instead.
 
     Args:
         trainer: the Trainer (its ``args``, ``accelerator``, ``compute_loss``, model).
@@ -182,21 +185,18 @@ class TrainerElasticBatch(TrainerCallback):
         return self.controller.probe
 
     def enable_activation_checkpointing(self) -> None:
-        """The controller's last resort: checkpoints the largest blocks of the model
-        (nothing more when transformers' own gradient checkpointing is already on)."""
+        """The controller's last resort: switches activation checkpointing on, by the
+        model's own switch (transformers', timm's) when it has one, else by wrapping its
+        largest blocks (:func:`~hf_triaccel.memory.enable_activation_checkpointing`);
+        nothing changes when the model's own checkpointing is already on."""
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        # transformers 5 name first: the 4.x one may be a deprecated alias there
-        already = getattr(model, "is_activation_checkpointing", None)
-        if already is None:
-            already = getattr(model, "is_gradient_checkpointing", False)
-        if already:
-            logger.warning("elastic batch: gradient checkpointing is already on")
+        handle = enable_activation_checkpointing(model, self.checkpoint_blocks)
+        if not handle.switched_on:
+            logger.warning("elastic batch: activation checkpointing is already on")
             return
-        self.checkpointed = checkpoint_largest_blocks(model, self.checkpoint_blocks)
-        logger.warning(
-            "elastic batch: activation checkpointing of %d blocks switched on",
-            len(self.checkpointed),
-        )
+        self.checkpointed = handle
+        what = f"{len(handle)} blocks" if handle.method == "blocks" else handle.method
+        logger.warning("elastic batch: activation checkpointing switched on (%s)", what)
 
     def metrics(self) -> dict[str, Any]:
         """Telemetry: ``micro_batch`` and ``accumulation``; on CUDA also the run's
@@ -236,11 +236,14 @@ class TrainerElasticBatch(TrainerCallback):
                     loss = loss.mean()
                 return loss / divisor
 
+            backward = trainer.accelerator.backward
+            if self._no_rerun():
+                loss_fn, backward = _not_rerun(loss_fn), _not_rerun(backward)
             loss = self.controller.run_step(
                 inputs,
                 loss_fn,
                 model=model,
-                backward=trainer.accelerator.backward,
+                backward=backward,
                 normalized=normalized,
                 rollbacks=self._rollbacks(),
             )
@@ -249,6 +252,14 @@ class TrainerElasticBatch(TrainerCallback):
         if steps is not None and trainer.state.global_step % steps == 0:
             self.probe.release()
         return loss
+
+    def _no_rerun(self) -> bool:
+        """Whether an out-of-memory error must not be re-run: under FSDP with several
+        ranks, whose forward and backward gather parameters (see the class doc)."""
+        accelerator = self.trainer.accelerator
+        return accelerator.distributed_type == DistributedType.FSDP and (
+            accelerator.num_processes > 1
+        )
 
     def _rollbacks(self) -> list[FisherStatisticsRollback]:
         collector = getattr(self.trainer, "collector", None)
@@ -281,6 +292,26 @@ class TrainerElasticBatch(TrainerCallback):
         reset = getattr(self.probe, "reset_overall_peak", None)
         if callable(reset):
             reset()
+
+
+def _not_rerun(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its out-of-memory errors raised as :class:`ElasticBatchError`, which the
+    controller does not re-run."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            if not is_oom(err):
+                raise
+            # raised in the handler, not from it: the controller must not see an OOM cause
+            raise ElasticBatchError(  # noqa: B904
+                "out of memory on this rank under FSDP: a step cannot be re-run on one rank "
+                "(its forward and backward gather parameters with the other ranks); lower "
+                "elastic_target_fraction or the batch size"
+            )
+
+    return call
 
 
 def _combine(results: list[tuple[Any, Any, Any]], sizes: list[int]) -> tuple[Any, Any, Any]:
@@ -349,9 +380,9 @@ class ElasticEvaluation:
 def _check_trainer(trainer: Trainer) -> None:
     args = trainer.args
     kind = trainer.accelerator.distributed_type
-    if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+    if kind == DistributedType.DEEPSPEED:
         raise NotImplementedError(
-            f"elastic batch does not support {kind.value} yet: use DDP or a single device"
+            "elastic batch does not support DeepSpeed: use FSDP2, DDP or a single device"
         )
     if str(getattr(args.optim, "value", args.optim)).lower() in ("lomo", "adalomo"):
         raise NotImplementedError("elastic batch does not support LOMO optimizers")

@@ -241,14 +241,49 @@ class TriAccelPrepared:
         return channels_last_batch(batch) if self.channels_last else batch
 
 
-def check_distributed_support(distributed_type: DistributedType) -> None:
-    """Raises for parallelism modes the Fisher hooks do not support yet."""
-    unsupported = {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}
-    if distributed_type in unsupported:
+def check_distributed_support(
+    distributed_type: DistributedType, fsdp_version: int | None = None
+) -> None:
+    """Raises for the parallelism modes AdaFisher does not support: DeepSpeed and FSDP1.
+
+    Single device, DDP and FSDP2 (``torch.distributed.fsdp.fully_shard``, whose parameters
+    are DTensors sharded by rows) are supported. DeepSpeed's ZeRO and FSDP1 flatten the
+    parameters of many layers into one buffer and shard that, which hides the layer
+    shapes the Fisher factors are laid out by.
+
+    Args:
+        distributed_type: the Accelerator's ``distributed_type``.
+        fsdp_version: under FSDP, its version (default: the running Accelerator's FSDP
+            plugin's).
+
+    Example:
+        >>> check_distributed_support(DistributedType.DEEPSPEED)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: hf_triaccel does not support DeepSpeed: ... use FSDP2 ...
+    """
+    fsdp2 = (
+        "use FSDP2 (an accelerate config with `distributed_type: FSDP` and "
+        "`fsdp_config: {fsdp_version: 2}`, or the Trainer's `fsdp` with "
+        "`fsdp_config={'version': 2}`), DDP (`accelerate launch --multi_gpu`) or one device"
+    )
+    if distributed_type == DistributedType.DEEPSPEED:
         raise NotImplementedError(
-            f"hf_triaccel does not support {unsupported[distributed_type]} yet: its sharded "
-            "parameters hide the layer shapes the Fisher factors need. Use DDP "
-            "(`accelerate launch --multi_gpu`) or a single device."
+            "hf_triaccel does not support DeepSpeed: ZeRO flattens and partitions the "
+            f"parameters, hiding the layer shapes the Fisher factors need; {fsdp2}"
+        )
+    if distributed_type != DistributedType.FSDP:
+        return
+    if fsdp_version is None:
+        from accelerate.state import AcceleratorState, is_initialized
+
+        plugin = getattr(AcceleratorState(), "fsdp_plugin", None) if is_initialized() else None
+        fsdp_version = getattr(plugin, "fsdp_version", None)
+    if fsdp_version != 2:
+        raise NotImplementedError(
+            f"hf_triaccel does not support FSDP version {fsdp_version or 1}: it flattens the "
+            f"parameters of many layers into one buffer, hiding the layer shapes the Fisher "
+            f"factors need; {fsdp2}"
         )
 
 

@@ -231,10 +231,16 @@ class TriAccelArguments(TrainingArguments):
             super().__post_init__()
         finally:
             self.optim = chosen
-        if self.fsdp or self.deepspeed:
+        if self.deepspeed:
             raise ValueError(
-                f"TriAccelArguments.optim={chosen!r} does not support "
-                f"{'fsdp' if self.fsdp else 'deepspeed'} yet: use DDP or a single device"
+                f"TriAccelArguments.optim={chosen!r} does not support deepspeed: use FSDP2 "
+                "(fsdp with fsdp_config={'version': 2}), DDP or a single device"
+            )
+        fsdp_version = int((self.fsdp_config or {}).get("version", 2)) if self.fsdp else 2
+        if fsdp_version != 2:
+            raise ValueError(
+                f"TriAccelArguments.optim={chosen!r} does not support FSDP version "
+                f"{fsdp_version}: use FSDP2 (fsdp_config={{'version': 2}}), DDP or a single device"
             )
 
     def _check_fields(self, ours: bool) -> None:

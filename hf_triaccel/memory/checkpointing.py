@@ -122,6 +122,12 @@ class CheckpointedBlocks:
         self._wrapped.clear()
         self.names = []
 
+    @property
+    def switched_on(self) -> bool:
+        """Whether this handle switched checkpointing on (``False`` when the model's own
+        was already on: then :meth:`remove` leaves it on)."""
+        return bool(self._wrapped) or self._undo is not None
+
     def __len__(self) -> int:
         return len(self._wrapped)
 
