@@ -28,7 +28,7 @@ from torch import nn
 from transformers import get_scheduler
 
 from hf_triaccel.data.images import ImageTensors
-from hf_triaccel.integrations.compiled import CompileClock
+from hf_triaccel.integrations.compiled import CompileClock, eager_module
 from hf_triaccel.integrations.layout import to_channels_last
 from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer
 
@@ -125,6 +125,9 @@ def run_trainer(name: str, data: ImageTensors, device: torch.device, args: Any) 
         "update_every": update_every,
         "channels_last": trainer.channels_last,
         "compile_seconds": seconds,
+        # what ran, whatever was asked: an Accelerator state left by an earlier variant
+        # must not compile this one, nor leave it uncompiled
+        "compiled": eager_module(trainer.model_wrapped) is not None,
     }
 
 
@@ -149,6 +152,8 @@ def measure(name: str, data: ImageTensors, device: torch.device, world: int, arg
         )
         row.update(update_every=result.get("update_every"), peak_bytes=clock.peak_bytes)
         row["compile_seconds"] = result["compile_seconds"]
+        if result.get("compiled", row["compiled"]) != row["compiled"]:
+            raise RuntimeError(f"{name}: the Trainer's model compiled={result['compiled']}")
         if result.get("channels_last") is False and args.layout == "channels_last":
             row["layout"] = "nchw"  # the Trainer keeps the layout of a model it cannot convert
         if clock.window is None:
