@@ -18,9 +18,9 @@
 # Usage, from anywhere (the repository is this script's parent folder):
 #   bash benchmarks/fast_defaults.sh            # a GPU; $OUT receives the records
 #   bash benchmarks/fast_defaults.sh --smoke    # CPU, tiny models, every stage in seconds
-# Environment: OUT (default .out/fast_defaults), PYTHON (default python3), DATA (default
-# .data/cifar10 when it holds train.parquet, else the embedded CIFAR-10 slice),
-# COMPILE_BACKEND (default inductor). Without the `datasets` package, the wheels in .whl/
+# Environment: OUT (default .out/fast_defaults), PYTHON (default python3, else python),
+# DATA (default .data/cifar10 when it holds train.parquet, else the embedded CIFAR-10
+# slice), COMPILE_BACKEND (default inductor). Without the `datasets` package, the wheels in .whl/
 # (see the device-wheels script) are installed into a scratch folder first.
 # Exit status: the number of stages that failed or ran out of time.
 set -uo pipefail
@@ -34,7 +34,7 @@ esac
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-PY=${PYTHON:-python3}
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-$root/.out/fast_defaults}
 mkdir -p "$OUT"
 summary="$OUT/fast_defaults.md"
@@ -52,9 +52,9 @@ if ! "$PY" -c "import datasets" 2>/dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --target "$scratch/site" .whl/*.whl
         export PYTHONPATH="$PYTHONPATH:$scratch/site"
-    else
-        echo "warning: no 'datasets' package and no .whl/ wheels: data loading will fail" >&2
     fi
+    "$PY" -c "import datasets" 2>/dev/null ||
+        echo "warning: no 'datasets' package (carry .whl/): the Trainer stages will fail" >&2
 fi
 
 data=${DATA:-}
@@ -63,11 +63,19 @@ if [[ -z "$data" ]]; then
 fi
 backend=${COMPILE_BACKEND:-inductor}
 
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+git diff --quiet HEAD 2>/dev/null || commit="$commit (or a modified copy)"
 {
     echo "# fast_defaults.sh ${smoke[*]:-}"
     echo
-    echo "git $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (modified)'), $(date -u +%FT%TZ), data $data, compile backend $backend"
-    "$PY" -c "import torch, transformers, timm; print(f'torch {torch.__version__}, transformers {transformers.__version__}, timm {timm.__version__}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else \"cpu\"}')"
+    echo "commit $commit, $(date -u +%FT%TZ), data $data, compile backend $backend"
+    "$PY" - << 'EOF'
+import timm, torch, transformers
+
+device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"timm {timm.__version__}, device {device}")
+EOF
 } | tee -a "$summary"
 
 failed=0
