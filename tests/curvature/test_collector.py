@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_triaccel import AdaFisherW
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.fold import minmax_normalise
 from hf_triaccel.curvature.rules import FisherRule, LinearRule, register_fisher_rule, rule_for
@@ -420,6 +422,10 @@ def test_remove_takes_every_hook_away():
     assert n_forward_hooks(model) == 0
 
 
+def n_hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
 def test_deep_copy_of_a_hooked_model_does_not_feed_the_original():
     model = mlp()
     collector = FisherCollector(model, impl="reference")
@@ -427,6 +433,106 @@ def test_deep_copy_of_a_hooked_model_does_not_feed_the_original():
     forward_backward(clone, torch.randn(4, 5))
     for layer in collector.layers.values():
         assert layer.a_count == layer.g_count == 0
+    # the copy's stand-ins take nothing, and hold nothing of the collector
+    hooks = [h for m in clone.modules() for h in (*m._forward_pre_hooks.values(),)]
+    assert hooks and all(type(h).__name__ == "InertHook" for h in hooks)
+
+
+def test_hooks_are_registered_only_for_refresh_steps():
+    """Between refreshes the model runs unhooked: its modules' calls take torch's fast
+    path, with no Python hook to call."""
+    model = mlp()
+    opt = AdaFisherW.from_model(model, lr=1e-2, update_every=3, impl="reference")
+    hooked = []
+    for _ in range(7):
+        hooked.append(n_hooks(model))
+        forward_backward(model, torch.randn(4, 5))
+        opt.step()
+        opt.zero_grad()
+    assert hooked == [4, 0, 0, 4, 0, 0, 4]  # a pre-hook and a forward hook per layer
+    assert opt.collector.attached
+
+
+def test_detach_and_attach_again():
+    model = mlp()
+    collector = FisherCollector(model, impl="reference")
+    forward_backward(model, torch.randn(4, 5))
+    collector.detach()
+    assert not collector.attached and n_hooks(model) == 0
+    forward_backward(model, torch.randn(4, 5))  # not taken
+    collector.attach()
+    assert collector.attached and n_hooks(model) == 4
+    collector.collecting = False
+    assert n_hooks(model) == 0 and collector.attached
+    collector.collecting = True
+    forward_backward(model, torch.randn(4, 5))
+    for layer in collector.layers.values():  # the first and the last micro-batch
+        assert layer.a_count == layer.g_count == 2
+    collector.attach()  # attached already: nothing doubles
+    assert n_hooks(model) == 4
+
+
+def test_attach_takes_the_model_back_from_another_collector():
+    model = mlp()
+    first = FisherCollector(model, impl="reference")
+    first.detach()
+    second = FisherCollector(model, impl="reference")
+    with pytest.warns(UserWarning, match="already had a FisherCollector"):
+        first.attach()
+    assert first.attached and not second.attached
+    assert n_hooks(model) == 4
+
+
+def _train(model, opt, seed: int, steps: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 5, generator=gen)
+        forward_backward(model, x, torch.randn(4, 3, generator=gen))
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "deepcopy_optimizer_first", "pickle"])
+def test_a_copied_model_and_optimizer_keep_taking_statistics_on_the_copy(how):
+    """Copied together, mid-accumulation (a refresh step's backward done, its fold to
+    come), the copy hooks the copied model, steps like the original, and the original's
+    collector sees none of the copy's forwards."""
+    model = mlp()
+    opt = AdaFisherW.from_model(model, lr=1e-2, update_every=2, impl="reference")
+    _train(model, opt, seed=1, steps=2)
+    forward_backward(model, torch.randn(4, 5))  # step 2 refreshes: statistics pending
+    if how == "deepcopy":
+        twin, twin_opt = copy.deepcopy((model, opt))
+    elif how == "deepcopy_optimizer_first":
+        twin_opt, twin = copy.deepcopy((opt, model))
+    else:
+        twin, twin_opt = pickle.loads(pickle.dumps((model, opt)))
+    collector = twin_opt.collector
+    assert collector is not opt.collector and collector.attached
+    assert all(ly.module is twin.get_submodule(name) for name, ly in collector.layers.items())
+    assert n_hooks(twin) == 4 and n_hooks(model) == 4
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        q.grad = p.grad.clone()  # a Parameter copies without its gradient
+    opt.step()
+    twin_opt.step()
+    opt.zero_grad()
+    twin_opt.zero_grad()
+    counts = [ly.a_count for ly in opt.collector.layers.values()]
+    _train(twin, twin_opt, seed=2, steps=3)
+    assert [ly.a_count for ly in opt.collector.layers.values()] == counts
+    _train(model, opt, seed=2, steps=3)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for a, b in zip(opt.collector.layers.values(), collector.layers.values(), strict=True):
+        assert torch.equal(a.a, b.a) and torch.equal(a.g, b.g)
+
+
+def test_a_copied_detached_collector_stays_detached():
+    model = mlp()
+    collector = FisherCollector(model, impl="reference")
+    collector.detach()
+    twin, twin_collector = copy.deepcopy((model, collector))
+    assert not twin_collector.attached and n_hooks(twin) == 0
 
 
 # --------------------------------------------------------------------------- which params

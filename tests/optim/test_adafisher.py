@@ -376,6 +376,81 @@ def test_state_dict_resume_is_exact(impl):
         assert torch.equal(p1, p2)
 
 
+def test_factors_ride_in_the_per_parameter_state():
+    """Each covered parameter's state holds its layer's factor vectors (shared by the
+    layer's parameters); the refresh schedule rides in every saved param group."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    opt = AdaFisherW.from_model(model, ema="paper", update_every=2, impl="reference")
+    train(model, opt, [(torch.randn(5, 4), torch.randint(0, 3, (5,))) for _ in range(3)])
+    sd = opt.state_dict()
+    layer = opt.collector.layers["0"]
+    for p in model[0].parameters():
+        entry = opt.state[p]
+        assert entry["fisher_a"] is layer.a_ema and entry["fisher_g"] is layer.g_ema
+        assert entry["fisher_a_used"] is layer.a and entry["fisher_g_used"] is layer.g
+    assert {g["fisher_steps"] for g in sd["param_groups"]} == {3}
+    assert sorted(sd["state"][0]) == [
+        "fisher_a", "fisher_a_used", "fisher_g", "fisher_g_used", "momentum", "step"
+    ]  # fmt: skip
+
+
+def _resume_through(save_and_load):
+    """Trains 7 steps, saves, loads into a fresh model and optimizer with
+    ``save_and_load(model, opt, twin, twin_opt)``, trains 5 more on both: the same bits."""
+    data = batches(12, seed=9)
+    torch.manual_seed(0)
+    model = small_cnn()
+    twin = copy.deepcopy(model)
+    hyper = dict(lr=1e-2, weight_decay=1e-3, update_every=4, impl="foreach")
+    opt = AdaFisherW.from_model(model, **hyper)
+    train(model, opt, data[:7])
+    twin_opt = AdaFisherW.from_model(twin, **hyper)
+    save_and_load(model, opt, twin, twin_opt)
+    assert twin_opt.fisher_steps == 7 and not twin_opt.collector.collecting
+    train(model, opt, data[7:])
+    train(twin, twin_opt, data[7:])
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+    layers = zip(opt.collector.layers.values(), twin_opt.collector.layers.values(), strict=True)
+    for a, b in layers:
+        assert torch.equal(a.a, b.a) and torch.equal(a.g, b.g)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_distributed_checkpoint_state_dict_resumes_exactly(tmp_path):
+    """Through torch.distributed.checkpoint's state-dict functions and files, which keep
+    only the per-parameter state and the param groups; a fresh optimizer takes one step
+    with zero gradients and no learning rate to build its state before loading."""
+    from torch.distributed.checkpoint import load, save
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def save_and_load(model, opt, twin, twin_opt):
+        msd, osd = get_state_dict(model, opt)
+        save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+        msd2, osd2 = get_state_dict(twin, twin_opt)
+        load({"model": msd2, "optim": osd2}, checkpoint_id=str(tmp_path))
+        set_state_dict(twin, twin_opt, model_state_dict=msd2, optim_state_dict=osd2)
+
+    _resume_through(save_and_load)
+
+
+def test_state_dicts_of_the_0_2_format_still_load():
+    """hf_triaccel 0.2 kept the factors by layer name and the schedule under "fisher"."""
+
+    def save_and_load(model, opt, twin, twin_opt):
+        sd = copy.deepcopy(opt.state_dict())
+        for entry in sd["state"].values():
+            for key in [k for k in entry if k.startswith("fisher_")]:
+                del entry[key]
+        for group in sd["param_groups"]:
+            del group["fisher_steps"]
+        sd["fisher"] = {"fisher_steps": opt.fisher_steps, "factors": opt.collector.state_dict()}
+        twin.load_state_dict(model.state_dict())
+        twin_opt.load_state_dict(sd)
+
+    _resume_through(save_and_load)
+
+
 def test_state_dict_before_first_step():
     model = small_cnn()
     opt = AdaFisher.from_model(model)
