@@ -301,7 +301,7 @@ def test_optimizer_step_oom_restarts_with_a_smaller_batch(tmp_path):
     assert resumed.state.train_batch_size == 14
 
 
-def test_activation_checkpointing_fallback_wraps_the_blocks(tmp_path):
+def test_activation_checkpointing_fallback_uses_the_models_own_switch(tmp_path):
     trainer = ElasticTrainer(
         model=tiny_gpt2(),
         args=make_args(tmp_path),
@@ -309,7 +309,18 @@ def test_activation_checkpointing_fallback_wraps_the_blocks(tmp_path):
         elastic={"checkpoint_blocks": 1, "min_micro_batch": 4},
     )
     trainer.elastic.controller.enable_activation_checkpointing()
-    assert trainer.elastic.checkpointed.names == ["transformer.h.0"]
+    # transformers' own switch (named gradient_checkpointing_enable before 5.18) knows the
+    # model's layers and their arguments: it is used before any block is wrapped by hand
+    checkpointed = trainer.elastic.checkpointed
+    assert checkpointed.method in (
+        "activation_checkpointing_enable",
+        "gradient_checkpointing_enable",
+    )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    name = "is_" + checkpointed.method.removesuffix("_enable")
+    assert getattr(model, name)
+    checkpointed.remove()
+    assert not getattr(model, name)
 
 
 # -- AdaFisher in a hand-written loop --------------------------------------------------
