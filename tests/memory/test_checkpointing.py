@@ -187,6 +187,7 @@ def test_the_model_own_switch_comes_first():
     model = OwnSwitch()
     handle = enable_activation_checkpointing(model, 1)
     assert handle.method == "set_grad_checkpointing" and model.grad_checkpointing
+    assert handle.switched_on
     assert handle.names == [] and all("forward" not in b.__dict__ for b in model.blocks)
     handle.remove()
     assert not model.grad_checkpointing
@@ -195,7 +196,9 @@ def test_the_model_own_switch_comes_first():
 def test_a_switch_already_on_is_left_on():
     model = OwnSwitch()
     model.set_grad_checkpointing()
-    enable_activation_checkpointing(model).remove()
+    handle = enable_activation_checkpointing(model)
+    assert not handle.switched_on  # nothing done here: the caller knows it was on
+    handle.remove()
     assert model.grad_checkpointing
 
 
@@ -203,6 +206,7 @@ def test_a_refusing_switch_falls_back_to_the_blocks():
     model = OwnSwitch(refuse=True)
     handle = enable_activation_checkpointing(model, 2)
     assert handle.method == "blocks" and handle.names == ["blocks.1", "blocks.2"]
+    assert handle.switched_on
     assert not model.grad_checkpointing
     handle.remove()
     assert all("forward" not in b.__dict__ for b in model.blocks)
