@@ -7,6 +7,8 @@ Example:
     >>> optimizer = AdaFisherW.from_model(model, lr=1e-3, weight_decay=1e-4)
 """
 
+import importlib
+
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.rules import FactorLayout, FisherRule, register_fisher_rule
 from hf_triaccel.curvature.signals import SignalTracker
@@ -17,6 +19,16 @@ from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.precision import PrecisionController, PrecisionPolicy, PrecisionRule
 
 __version__ = "0.2.0"
+
+# With timm installed, importing the package registers its CIFAR / Tiny ImageNet models
+# with timm, so that a published model loads with `timm.create_model` after
+# `import hf_triaccel`; without timm the rest of the package works as usual.
+try:
+    import timm  # noqa: F401
+except ImportError:
+    pass
+else:
+    importlib.import_module("hf_triaccel.integrations.timm_models")
 
 # The integrations import transformers / accelerate: load them on first use so that
 # `import hf_triaccel` needs neither.
@@ -35,8 +47,6 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hf_triaccel' has no attribute {name!r}")
 
