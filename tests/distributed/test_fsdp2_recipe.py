@@ -31,3 +31,21 @@ def test_recipe_smoke_on_cpu(recipe, loop, tmp_path, capsys):
     recipe.main(["--smoke", "--cpu", "--output_dir", str(tmp_path), *loop])
     out = capsys.readouterr().out
     assert out.count("OK: ") == 2, out
+
+
+def test_fsdp2_is_accepted_and_the_flattening_modes_name_it():
+    """(TrainingArguments with deepspeed need the deepspeed package, absent here.)"""
+    from accelerate.utils import DistributedType
+
+    from hf_triaccel import TriAccelArguments
+    from hf_triaccel.integrations.plugin import check_distributed_support
+
+    check_distributed_support(DistributedType.FSDP, fsdp_version=2)
+    check_distributed_support(DistributedType.MULTI_GPU)
+    for kind, version in ((DistributedType.FSDP, 1), (DistributedType.DEEPSPEED, None)):
+        with pytest.raises(NotImplementedError, match="use FSDP2"):
+            check_distributed_support(kind, fsdp_version=version)
+    common = dict(output_dir="unused", fsdp="full_shard", use_cpu=True, report_to=[])
+    TriAccelArguments(fsdp_config={"version": 2}, **common)
+    with pytest.raises(ValueError, match="FSDP version 1: use FSDP2"):
+        TriAccelArguments(fsdp_config={"version": 1}, **common)
