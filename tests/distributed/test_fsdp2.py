@@ -192,6 +192,32 @@ def _bf16_run(rank, world) -> dict:
     }
 
 
+ELASTIC_STEPS = 3
+
+
+def _elastic_run(rank: int, world: int) -> dict:
+    """The elastic batch under FSDP2: the ranks agree on the micro-batch (here from
+    proposals that differ), then every rank runs its share in pieces of that size, with
+    the same collectives in each."""
+    from hf_triaccel.memory import ElasticBatchController, NullProbe
+
+    agreed = ElasticBatchController(GLOBAL_BATCH, probe=NullProbe()).agree([3, 2, 4][rank])
+    model = shard(Net().to(DTYPE))
+    opt = AdaFisherW.from_model(model, **HYPER[world], **{**COMMON, "update_every": 1})
+    n = GLOBAL_BATCH // world
+    controller = ElasticBatchController(n, probe=NullProbe(), max_micro_batch=agreed)
+    for step in range(ELASTIC_STEPS):
+        controller.run_step(
+            share(rank, world, step),
+            lambda piece: F.cross_entropy(model(piece[0], piece[1]), piece[2]),
+            model=model,
+        )
+        average_ignored(model, world)
+        opt.step()
+        opt.zero_grad()
+    return {"agreed": agreed, "micro_batch": controller.micro_batch, "params": full(model)}
+
+
 def _checkpoint_folder(rank: int) -> str:
     import tempfile
 
@@ -244,6 +270,7 @@ def _worker(rank: int, world: int) -> dict:
         "head_rows": head_rows,
         "placements": _placements(rank, world),
         "bf16": _bf16_run(rank, world),
+        "elastic": _elastic_run(rank, world),
     }
 
 
@@ -354,3 +381,32 @@ def test_what_each_rank_sees_and_holds(world, sharded):
         bf16 = rank["bf16"]
         assert bf16["momentum"] == [("DTensor", "torch.float32"), ("Tensor", "torch.float32")]
         assert bf16["factors_finite"] and bf16["moved"] and len(bf16["refreshed"]) == 6
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_elastic_batch_under_fsdp2(world, sharded):
+    """The ranks agree on the smallest proposal and run their shares in pieces of it: the
+    same as one process taking every rank's pieces as micro-batches, each loss weighted
+    by its share of the global batch (tolerance as in test_fsdp2_matches_one_process)."""
+    ranks = sharded(world)
+    m = ranks[0]["elastic"]["micro_batch"]
+    assert [r["elastic"]["agreed"] for r in ranks] == [2] * world and m == 2
+    model = Net().to(DTYPE)
+    opt = AdaFisherW.from_model(model, **HYPER[world], **{**COMMON, "update_every": 1})
+    n, path = GLOBAL_BATCH // world, 0.0
+    for step in range(ELASTIC_STEPS):
+        for rank in range(world):
+            img, tok, y = share(rank, world, step)
+            for s in range(0, n, m):
+                piece = slice(s, min(s + m, n))
+                loss = F.cross_entropy(model(img[piece], tok[piece]), y[piece])
+                (loss * (piece.stop - piece.start) / n / world).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        moved = zip(before, model.parameters(), strict=True)
+        path += max((b - p).abs().max().item() for b, p in moved)
+    for rank in ranks:
+        for p, q in zip(rank["elastic"]["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(p, q.detach(), rtol=0.0, atol=16 * EPS32 * path)
