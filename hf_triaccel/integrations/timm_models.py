@@ -30,16 +30,16 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import timm
-import torch
 from timm.models import build_model_with_cfg, register_model, resolve_pretrained_cfg
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
+
+from hf_triaccel.integrations.layout import contiguous_weights
 
 _CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 _CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -181,36 +181,6 @@ def create_cifar_model(name: str = "resnet18_cifar", **kwargs: Any) -> nn.Module
         100
     """
     return timm.create_model(name, **kwargs)
-
-
-@contextlib.contextmanager
-def contiguous_weights(model: nn.Module) -> Iterator[nn.Module]:
-    """Gives every parameter and buffer of ``model`` contiguous storage for the duration
-    (a copy where needed), then puts the originals back.
-
-    safetensors refuses non-contiguous tensors, and a channels-last convolution weight is
-    one: saving inside this context writes plain row-major weights that load into any
-    memory format, while the model keeps its own layout afterwards.
-
-    Example:
-        >>> conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
-        >>> with contiguous_weights(conv):
-        ...     conv.weight.is_contiguous()
-        True
-        >>> conv.weight.is_contiguous()
-        False
-    """
-    swapped = []
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if not tensor.is_contiguous():
-                swapped.append((tensor, tensor.data))
-                tensor.data = tensor.data.contiguous()
-    try:
-        yield model
-    finally:
-        for tensor, original in swapped:
-            tensor.data = original
 
 
 def save_model(
