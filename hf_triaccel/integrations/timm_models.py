@@ -136,6 +136,7 @@ def resnet18_tiny(pretrained: bool = False, **kwargs: Any) -> ResNet:
         **kwargs: timm model arguments (``num_classes`` defaults to 200).
 
     Example:
+        >>> import torch
         >>> resnet18_tiny()(torch.zeros(2, 3, 64, 64)).shape
         torch.Size([2, 200])
     """
