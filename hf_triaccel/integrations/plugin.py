@@ -32,6 +32,7 @@ from hf_triaccel.integrations.compiled import eager_module, route_refresh_steps
 from hf_triaccel.integrations.layout import channels_last_batch, to_channels_last
 from hf_triaccel.integrations.optimizers import build_adafisher, optimizer_name
 from hf_triaccel.optim.adafisher import AdaFisher
+from hf_triaccel.optim.checkpoint import keep_in_state_dict
 from hf_triaccel.optim.config import AdaFisherConfig
 from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.precision import PrecisionController, PrecisionPolicy
@@ -161,7 +162,7 @@ class TriAccelPlugin(AdaFisherConfig):
         signals = SignalTracker(optimizer.collector, optimizer, every=self.signals_every)
         policy = PrecisionPolicy(fp32_fraction=self.fp32_fraction, fp16_fraction=fp16_fraction)
         controller = PrecisionController(model, policy, tracker=signals)
-        _checkpoint_with(optimizer, "triaccel_precision", signals=signals, precision=controller)
+        keep_in_state_dict(optimizer, "triaccel_precision", signals=signals, precision=controller)
         return signals, controller
 
     def build_steering(
@@ -185,29 +186,8 @@ class TriAccelPlugin(AdaFisherConfig):
             signals = SignalTracker(optimizer.collector, optimizer, every=self.signals_every)
             parts["signals"] = signals
         steering = StepSizeSteering(signals, optimizer)
-        _checkpoint_with(optimizer, "triaccel_steering", **parts, steering=steering)
+        keep_in_state_dict(optimizer, "triaccel_steering", **parts, steering=steering)
         return steering
-
-
-def _checkpoint_with(optimizer: torch.optim.Optimizer, key: str, **parts: Any) -> None:
-    """Adds the state of ``parts`` (objects with ``state_dict`` / ``load_state_dict``) to
-    ``optimizer.state_dict()`` under ``key`` and restores it from
-    ``optimizer.load_state_dict()`` (torch's public optimizer hooks)."""
-
-    def save(opt, state_dict):
-        state_dict[key] = {name: part.state_dict() for name, part in parts.items()}
-        return state_dict
-
-    def load(opt, state_dict):
-        state_dict = dict(state_dict)
-        saved = state_dict.pop(key, None)
-        if saved is not None:
-            for name, part in parts.items():
-                part.load_state_dict(saved[name])
-        return state_dict
-
-    optimizer.register_state_dict_post_hook(save)
-    optimizer.register_load_state_dict_pre_hook(load)
 
 
 @dataclass

@@ -14,6 +14,7 @@ still load.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from typing import Any
 
@@ -145,3 +146,62 @@ def restore_states(
                 tensor.copy_(saved[key])
         state.update(live)
         optimizer.state[p] = state
+
+
+def keep_in_state_dict(optimizer: Optimizer, key: str, **parts: Any) -> None:
+    """Saves the state of ``parts`` (objects with ``state_dict`` / ``load_state_dict``,
+    such as the precision controller) in ``optimizer.state_dict()`` and restores it in
+    ``optimizer.load_state_dict()``, through torch's public optimizer hooks.
+
+    The state is an entry ``key`` of the first param group, as the refresh schedule is:
+    ``torch.distributed.checkpoint.state_dict`` (Accelerate's and the Trainer's FSDP2
+    checkpoints) keeps only ``state`` and ``param_groups``, and a group's entries
+    besides ``params``. The entry is the state serialised by ``torch.save`` into bytes:
+    ``torch.distributed.checkpoint`` loads into a state dict of the same structure, and
+    the parts' states change structure as training goes (logs grow, signals appear),
+    while one value loads whatever it holds; ``torch.load(weights_only=True)`` reads it.
+    A state dict holding ``key`` at its top level as a plain dict (hf_triaccel 0.2)
+    still loads.
+
+    Example:
+        >>> class Counter:
+        ...     def __init__(self): self.n = 0
+        ...     def state_dict(self): return {"n": self.n}
+        ...     def load_state_dict(self, state): self.n = state["n"]
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> saved, restored = Counter(), Counter()
+        >>> saved.n = 5
+        >>> first, second = torch.optim.SGD([p]), torch.optim.SGD([p])
+        >>> keep_in_state_dict(first, "counter", counter=saved)
+        >>> keep_in_state_dict(second, "counter", counter=restored)
+        >>> second.load_state_dict(first.state_dict())
+        >>> restored.n, "counter" in second.param_groups[0]
+        (5, False)
+    """
+
+    def save(opt: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # the groups of a state dict are copies: the live param groups stay as they are
+        buffer = io.BytesIO()
+        torch.save({name: p.state_dict() for name, p in parts.items()}, buffer)
+        state_dict["param_groups"][0][key] = buffer.getvalue()
+        return state_dict
+
+    def load(opt: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(key, None)
+        groups = []
+        for group in state_dict.get("param_groups", []):
+            if key in group:
+                group = dict(group)
+                saved = group.pop(key)
+            groups.append(group)
+        state_dict["param_groups"] = groups
+        if isinstance(saved, bytes):
+            saved = torch.load(io.BytesIO(saved), weights_only=True)
+        if saved is not None:
+            for name, part in parts.items():
+                part.load_state_dict(saved[name])
+        return state_dict
+
+    optimizer.register_state_dict_post_hook(save)
+    optimizer.register_load_state_dict_pre_hook(load)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
@@ -202,7 +203,9 @@ def test_adaptive_precision_through_the_trainer(tmp_path):
     trainer.save_model()
     assert (tmp_path / "precision_map.png").stat().st_size > 0
     assert json.loads((tmp_path / "signals.json").read_text())
-    saved = trainer.optimizer.state_dict()["triaccel_precision"]
+    saved = torch.load(
+        io.BytesIO(trainer.optimizer.state_dict()["param_groups"][0]["triaccel_precision"])
+    )
     assert saved["precision"] == trainer.precision.state_dict()
 
 
@@ -226,7 +229,9 @@ def test_step_size_steering_through_the_trainer(tmp_path):
     log = next(e for e in logs.entries if "loss" in e)
     assert log["lr_scale_min"] == min(trainer.steering.scales.values())
     assert log["lr_scale_max"] == max(trainer.steering.scales.values())
-    saved = trainer.optimizer.state_dict()["triaccel_steering"]
+    saved = torch.load(
+        io.BytesIO(trainer.optimizer.state_dict()["param_groups"][0]["triaccel_steering"])
+    )
     assert saved["steering"] == trainer.steering.state_dict()
     assert saved["signals"]["steps"] == 4
 
