@@ -21,7 +21,6 @@ from transformers.training_args import OptimizerNames
 from hf_triaccel.integrations.optimizers import OPTIMIZERS, adafisher_config
 from hf_triaccel.integrations.plugin import TriAccelPlugin
 from hf_triaccel.optim.config import DEFAULT_LR, AdaFisherConfig
-from hf_triaccel.precision import PrecisionPolicy
 
 _CONFIG = {f.name: f for f in dataclasses.fields(AdaFisherConfig)}
 # AdaFisherConfig field -> TriAccelArguments field
@@ -35,6 +34,17 @@ CONFIG_NAMES = {
     "ema": "adafisher_ema",
     "impl": "triaccel_impl",
 }
+# TriAccelPlugin field -> TriAccelArguments field: the controllers' settings
+PLUGIN_NAMES = {
+    "precision": "triaccel_precision",
+    "signals_every": "triaccel_signals_every",
+    "fp32_fraction": "triaccel_fp32_fraction",
+    "fp16_fraction": "triaccel_fp16_fraction",
+    "lr_steering": "triaccel_lr_steering",
+    "channels_last": "triaccel_channels_last",
+}
+_PLUGIN = {f.name: f for f in dataclasses.fields(TriAccelPlugin)}
+_NEEDS_ADAFISHER = "Needs optim adafisher or adafisherw."
 STOCK_DEFAULT_LR: float = next(
     f.default for f in dataclasses.fields(TrainingArguments) if f.name == "learning_rate"
 )
@@ -45,6 +55,13 @@ def _from_config(name: str) -> Any:
     """A field with the default and help of ``AdaFisherConfig.<name>``."""
     source = _CONFIG[name]
     return field(default=source.default, metadata={"help": f"AdaFisher: {source.metadata['help']}"})
+
+
+def _from_plugin(name: str, note: str = "") -> Any:
+    """A field with the default and help of ``TriAccelPlugin.<name>`` (``note`` added)."""
+    source = _PLUGIN[name]
+    text = " ".join(filter(None, [source.metadata["help"], note]))
+    return field(default=source.default, metadata={"help": text})
 
 
 def optim_name(args: TrainingArguments) -> str:
@@ -135,38 +152,11 @@ class TriAccelArguments(TrainingArguments):
     adafisher_update_every: int | None = _from_config("update_every")
     adafisher_ema: str = _from_config("ema")
     triaccel_impl: str | None = _from_config("impl")
-    triaccel_precision: bool = field(
-        default=False,
-        metadata={
-            "help": "Per-module adaptive compute precision (fp32 / bf16 / fp16) steered by "
-            "the Fisher signals; needs optim adafisher or adafisherw."
-        },
-    )
-    triaccel_signals_every: int = field(
-        default=200,
-        metadata={"help": "Re-evaluate signals and precision every N optimizer steps."},
-    )
-    triaccel_fp32_fraction: float = field(
-        default=PrecisionPolicy.fp32_fraction,
-        metadata={
-            "help": "Share of the compute and of the activations kept in fp32, given to the "
-            "modules most sensitive per unit of that cost."
-        },
-    )
-    triaccel_fp16_fraction: float | None = field(
-        default=None,
-        metadata={
-            "help": "Share of the compute and activations in fp16, least sensitive first (default "
-            "0.25 with --fp16, where a loss scaler exists, else 0)."
-        },
-    )
-    triaccel_lr_steering: bool = field(
-        default=False,
-        metadata={
-            "help": "Per-module step-size scale from the curvature signal, re-decided every "
-            "triaccel_signals_every steps (experimental); needs optim adafisher or adafisherw."
-        },
-    )
+    triaccel_precision: bool = _from_plugin("precision", _NEEDS_ADAFISHER)
+    triaccel_signals_every: int = _from_plugin("signals_every")
+    triaccel_fp32_fraction: float = _from_plugin("fp32_fraction")
+    triaccel_fp16_fraction: float | None = _from_plugin("fp16_fraction")
+    triaccel_lr_steering: bool = _from_plugin("lr_steering", _NEEDS_ADAFISHER)
     triaccel_report_dir: str | None = field(
         default=None,
         metadata={
@@ -193,14 +183,10 @@ class TriAccelArguments(TrainingArguments):
         default=0.9,
         metadata={"help": "Elastic batch: peak memory target, as a share of what the GPU gives."},
     )
-    triaccel_channels_last: bool = field(
-        default=True,
-        metadata={
-            "help": "A model with 2-D convolutions, and the 4-D image batches fed to it, in "
-            "channels_last memory format (cuDNN's fastest convolutions in bf16/fp16); models "
-            "without them are left as they are, and so are sharded ones (fsdp, deepspeed). "
-            "Saved weights stay contiguous either way. Off: the model keeps its layout."
-        },
+    triaccel_channels_last: bool = _from_plugin(
+        "channels_last",
+        "The Trainer feeds such a model its 4-D image batches in channels_last; sharded "
+        "models (fsdp, deepspeed) are left as they are. Saved weights stay contiguous.",
     )
     device_data_augment: bool = field(
         default=True,
@@ -307,10 +293,5 @@ def plugin_from_args(args: TrainingArguments) -> TriAccelPlugin:
     return TriAccelPlugin(
         **dataclasses.asdict(config),
         optimizer=optim_name(args) if uses_adafisher(args) else "adafisherw",
-        precision=setting(args, "triaccel_precision"),
-        signals_every=setting(args, "triaccel_signals_every"),
-        fp32_fraction=setting(args, "triaccel_fp32_fraction"),
-        fp16_fraction=setting(args, "triaccel_fp16_fraction"),
-        lr_steering=setting(args, "triaccel_lr_steering"),
-        channels_last=setting(args, "triaccel_channels_last"),
+        **{name: setting(args, field_name) for name, field_name in PLUGIN_NAMES.items()},
     )
