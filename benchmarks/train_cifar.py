@@ -1,7 +1,8 @@
 """CIFAR-10 accuracy and training time of one optimizer: timm ``resnet18_cifar``, batch 512.
 
 The acceptance comparison: one run per optimizer on the same GPU, their JSON lines
-compared. One-cycle schedule, label smoothing 0.1, data decoded once and augmented on the
+compared. One-cycle schedule, label smoothing 0.1 (the loop and the evaluation are the
+quickstart's: ``hf_triaccel.quickstart.train_loop``), data decoded once and augmented on the
 GPU; model and batches in ``--layout`` (default ``channels_last``, as ``TriAccelTrainer``
 puts a convolutional model, for every optimizer; ``nchw``: torch's default);
 ``--precision``: ``bf16`` autocast (default), ``fp32`` (no autocast), or
@@ -17,7 +18,6 @@ Usage:
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import Counter
@@ -27,14 +27,13 @@ from typing import Any
 
 import harness
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from hf_triaccel.data.images import GPUBatchLoader
 from hf_triaccel.integrations.layout import to_channels_last
 from hf_triaccel.integrations.plugin import TriAccelPlugin
 from hf_triaccel.optim.adafisher import AdaFisher
 from hf_triaccel.precision import PRECISIONS, plot_precision_map
+from hf_triaccel.quickstart import evaluate, train_loop
 
 # flag -> (type, default, help)
 OPTIONS = {
@@ -78,60 +77,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args
-
-
-def train(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loader: GPUBatchLoader, args: Any
-) -> tuple[int, list[dict[str, float]]]:
-    """Trains ``args.total_steps`` steps (one-cycle schedule peaking at ``args.lr``); returns
-    the steps and, per epoch, loss, accuracy, samples and seconds. Loss and accuracy sums
-    stay on the device: the one read-back per epoch makes ``seconds`` cover its work."""
-    # AdaFisher has no Adam-style betas to cycle; keep momentum fixed for every optimizer
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, total_steps=args.total_steps, cycle_momentum=False
-    )
-    device = loader.data.device
-    epochs: list[dict[str, float]] = []
-    step = 0
-    for epoch in range(math.ceil(args.total_steps / len(loader))):
-        start = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), dtype=torch.long, device=device)
-        seen = 0
-        for images, labels in loader:
-            with torch.autocast(device.type, torch.bfloat16, enabled=args.precision != "fp32"):
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            loss_sum += loss.detach() * len(labels)
-            correct += (logits.argmax(dim=1) == labels).sum()
-            seen += len(labels)
-            step += 1
-            if step == args.total_steps:
-                break
-        seconds = time.perf_counter() - start
-        loss, accuracy = loss_sum.item() / seen, correct.item() / seen
-        epochs.append(dict(epoch=epoch + 1, train_loss=loss, train_accuracy=accuracy))
-        epochs[-1].update(samples=seen, seconds=seconds)
-        line = f"epoch {epoch + 1}: train loss {loss:.4f}, train accuracy {100 * accuracy:.2f}%"
-        print(f"{line}, {seconds:.1f} s", file=sys.stderr)
-    return step, epochs
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: GPUBatchLoader, precision: str) -> float:
-    """Top-1 accuracy of ``model`` over one pass of ``loader``, computed in ``precision``."""
-    model.eval()
-    correct = torch.zeros((), dtype=torch.long, device=loader.data.device)
-    for images, labels in loader:
-        # adaptive: the controller's hooks open each decided module's own region inside
-        with torch.autocast(images.device.type, torch.bfloat16, enabled=precision != "fp32"):
-            correct += (model(images).argmax(dim=1) == labels).sum()
-    model.train()
-    return correct.item() / len(loader.data)
 
 
 def adaptive_record(controllers: tuple | None, precision_map: Path | None) -> dict | None:
@@ -188,14 +133,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.total_steps = args.epochs * len(train_loader)
     if args.max_steps is not None:
         args.total_steps = min(args.total_steps, args.max_steps)
+    bf16, step = args.precision != "fp32", args.total_steps
     harness.synchronize(device)
     train_start = time.perf_counter()
-    step, epochs = train(model, optimizer, train_loader, args)
+    # the adaptive controller's hooks open each decided module's own region inside autocast
+    epochs = train_loop(
+        model,
+        optimizer,
+        train_loader,
+        total_steps=step,
+        lr=args.lr,
+        bf16=bf16,
+        label_smoothing=args.label_smoothing,
+        log=lambda line: print(line, file=sys.stderr),
+        desc=args.optimizer,
+        progress=False,
+    )
     harness.synchronize(device)
     train_seconds = time.perf_counter() - train_start
 
     eval_start = time.perf_counter()
-    test_accuracy = evaluate(model, test_loader, args.precision)
+    test_accuracy = evaluate(model, test_loader, bf16)
     eval_seconds = time.perf_counter() - eval_start
     if args.precision_map is not None:  # parse_args allows it for adaptive runs only
         args.precision_map.parent.mkdir(parents=True, exist_ok=True)

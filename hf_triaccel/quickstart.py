@@ -130,9 +130,11 @@ def train_loop(
     label_smoothing: float = LABEL_SMOOTHING,
     log: Callable[[str], None] = tqdm.write,
     desc: str = "training",
+    progress: bool = True,
 ) -> list[dict[str, float]]:
     """Trains ``total_steps`` steps under a one-cycle schedule peaking at ``lr``, with
-    cross-entropy and ``label_smoothing``.
+    cross-entropy and ``label_smoothing``; ``log`` receives a line per epoch, and
+    ``progress`` shows a progress bar over the steps.
 
     Loss and accuracy sums stay on the device; the one read-back per epoch also makes
     each epoch's ``seconds`` cover all of its device work.
@@ -147,7 +149,7 @@ def train_loop(
     device = loader.data.device
     epochs: list[dict[str, float]] = []
     step = 0
-    progress = tqdm(total=total_steps, desc=desc, unit="step", leave=False)
+    bar = tqdm(total=total_steps, desc=desc, unit="step", leave=False, disable=not progress)
     for epoch in range(math.ceil(total_steps / len(loader))):
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
@@ -165,7 +167,7 @@ def train_loop(
             correct += (logits.argmax(dim=1) == labels).sum()
             seen += len(labels)
             step += 1
-            progress.update()
+            bar.update()
             if step == total_steps:
                 break
         epochs.append(
@@ -180,7 +182,7 @@ def train_loop(
             f"  {desc}, epoch {epoch + 1}: train loss {epochs[-1]['train_loss']:.3f}, "
             f"train accuracy {100 * epochs[-1]['train_accuracy']:.1f}%"
         )
-    progress.close()
+    bar.close()
     return epochs
 
 
