@@ -1,0 +1,150 @@
+"""Step times of this package at two commits, in one call: does a change slow it down?
+
+For a restructuring that must not change speed. Each commit's package is assembled in a
+scratch folder (``hf_triaccel/`` with ``kernels/`` as ``hf_triaccel.kernels``, as
+pyproject.toml installs it) and timed in its own process, the commits alternating
+``--rounds`` times so that drift of the GPU's clocks falls on both. This script uses only
+what every version of the package has (``AdaFisherW.from_model``) and none of the
+harness, which imports the current package's modules.
+
+Rows: the CIFAR ResNet-18 (3x3 stride-1 stem, no max-pool; channels_last, bf16 autocast,
+batch 512) training step (zero_grad + forward + backward + step) and the optimizer step
+alone, for AdamW(fused), AdaFisherW with a Fisher refresh every step, and AdaFisherW
+without one, medians after warm-up. Usage, from the repository root::
+
+    python benchmarks/bench_commits.py OLD NEW [--rounds 2] [--out DIR]
+    python benchmarks/bench_commits.py HEAD~1 HEAD --smoke    # CPU, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = (("adamw", 0), ("adafisherw", 1), ("adafisherw", 10**9))  # (optimizer, update_every)
+
+
+def assemble(commit: str, into: Path) -> Path:
+    """The package of ``commit`` as an importable folder under ``into``."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, "hf_triaccel", "kernels"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    (into / "kernels").rename(into / "hf_triaccel" / "kernels")
+    return into
+
+
+def measure(smoke: bool) -> list[dict]:
+    """Times the variants with whichever package is first on the path (run in a child)."""
+    import time
+
+    import timm
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import hf_triaccel
+    from hf_triaccel import AdaFisherW
+
+    if not Path(hf_triaccel.__file__).is_relative_to(os.environ["PYTHONPATH"]):
+        raise RuntimeError(f"timed {hf_triaccel.__file__}, not the commit's package")
+    device = "cpu" if smoke else "cuda"
+    batch, size, steps, warmup = (4, 16, 2, 1) if smoke else (512, 32, 20, 5)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def median_ms(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        sync()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return 1e3 * sorted(times)[len(times) // 2]
+
+    def variant(name: str, update_every: int) -> dict:
+        model = timm.create_model("resnet18", num_classes=10)
+        model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+        model = model.to(device, memory_format=torch.channels_last)
+        if name == "adamw":
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        else:
+            optimizer = AdaFisherW.from_model(model, lr=1e-3, update_every=update_every)
+
+        def backward() -> None:
+            with torch.autocast(device, torch.bfloat16):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+
+        def train_step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            backward()
+            optimizer.step()
+
+        train_ms = median_ms(train_step)
+        backward()  # gradients (and statistics) for the optimizer step alone
+        return {
+            "optimizer": name,
+            "update_every": update_every,
+            "train_step_ms": train_ms,
+            "optimizer_step_ms": median_ms(optimizer.step),
+        }
+
+    return [variant(name, update_every) for name, update_every in VARIANTS]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("old", help="the commit before the change")
+    parser.add_argument("new", help="the commit after it")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the two")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args.smoke)))
+        return 0
+    records = []
+    with tempfile.TemporaryDirectory() as scratch:
+        trees = {c: assemble(c, Path(scratch) / str(i)) for i, c in enumerate((args.old, args.new))}
+        for round_ in range(args.rounds):
+            for commit, tree in trees.items():
+                env = {**os.environ, "PYTHONPATH": str(tree)}
+                command = [sys.executable, __file__, commit, commit, "--child"]
+                command += ["--smoke"] if args.smoke else []
+                done = subprocess.run(command, env=env, capture_output=True, text=True)
+                if done.returncode:
+                    print(done.stderr, file=sys.stderr)
+                    return 1
+                for row in json.loads(done.stdout.strip().splitlines()[-1]):
+                    records.append({"commit": commit, "round": round_, **row})
+    print("| commit | optimizer | update_every | train step ms | optimizer step ms |")
+    print("|---|---|---|---|---|")
+    for r in records:
+        print(
+            f"| {r['commit']} | {r['optimizer']} | {r['update_every']} | "
+            f"{r['train_step_ms']:.2f} | {r['optimizer_step_ms']:.3f} |"
+        )
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "bench_commits.json").write_text(json.dumps(records, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
