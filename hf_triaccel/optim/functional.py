@@ -14,7 +14,8 @@ float64 for float64 parameters, float32 for float32, bfloat16 and float16 ones.
 
 - ``reference``: one tensor at a time, F materialised from index arithmetic.
 - ``foreach``: torch ``_foreach`` ops over all tensors of one compute dtype, F
-  materialised per tensor.
+  materialised per tensor as a broadcast outer product of the two factor vectors
+  (:func:`broadcast_preconditioner`).
 - ``triton``: one fused multi-tensor kernel per (dtype, group) that builds F per tile
   from the two factor vectors (``hf_triaccel.kernels.update``), for the parameters of
   its dtypes in the layouts it can walk; this module routes every other tensor to the
@@ -23,11 +24,12 @@ float64 for float64 parameters, float32 for float32, bfloat16 and float16 ones.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
-from hf_triaccel._types import ParamFactors
+from hf_triaccel._types import FactorLayout, ParamFactors
 from hf_triaccel.dispatch import resolve_impl
 from hf_triaccel.optim.config import check_step_hyperparameters
 
@@ -66,6 +68,64 @@ def preconditioner(
     if dtype is not None:
         g, a = g.to(dtype), a.to(dtype)
     return (g * a + damping).view(param.shape)
+
+
+@functools.cache
+def _digit_shapes(layout: FactorLayout, numel: int) -> tuple[tuple[int, ...], ...] | None:
+    """The shapes that make ``g`` and ``a`` broadcast to the flat elements of a parameter
+    seen as mixed-radix digits, or ``None`` when the layout's index pattern has none.
+
+    Factor ``x`` reads digit range ``[x_div, x_div * x_mod)`` of the flat index ``k``; when
+    those bounds and ``numel`` form a chain in which each divides the next, ``k`` splits
+    into digits (most significant first) and each factor varies over a run of them only.
+    A factor with ``x_mod == 1`` is one entry for every element.
+
+    Example:
+        >>> _digit_shapes(FactorLayout(g_div=3, g_mod=2, a_div=1, a_mod=3), 6)  # (2, 3) weight
+        ((2, 1), (1, 3))
+        >>> _digit_shapes(FactorLayout(g_div=2, g_mod=3, a_div=3, a_mod=2), 6) is None
+        True
+    """
+    ranges = [(layout.g_div, layout.g_mod), (layout.a_div, layout.a_mod)]
+    bounds = sorted({1, numel, *(b for d, m in ranges if m > 1 for b in (d, d * m))})
+    if bounds[-1] != numel or any(hi % lo for lo, hi in zip(bounds, bounds[1:], strict=False)):
+        return None
+    digits = list(zip(bounds, bounds[1:], strict=False))[::-1]
+    return tuple(
+        tuple(hi // lo if m > 1 and div <= lo and hi <= div * m else 1 for lo, hi in digits) or (1,)
+        for div, m in ranges
+    )
+
+
+def broadcast_preconditioner(
+    param: torch.Tensor,
+    factors: ParamFactors | None,
+    damping: float,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """:func:`preconditioner` as the product of the two factor vectors broadcast against
+    each other, without per-element indices (the same arithmetic, so the same values);
+    a layout without a broadcast form goes through :func:`preconditioner`.
+
+    Example:
+        >>> from hf_triaccel.curvature.rules.base import out_in_layout
+        >>> fac = ParamFactors(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0, 5.0]),
+        ...                    out_in_layout(2, 3))
+        >>> broadcast_preconditioner(torch.zeros(2, 3), fac, damping=0.5)
+        tensor([[ 1.5000,  3.5000,  5.5000],
+                [ 2.5000,  6.5000, 10.5000]])
+    """
+    if factors is None:
+        return None
+    layout = factors.layout
+    shapes = _digit_shapes(layout, param.numel())
+    if shapes is None:
+        return preconditioner(param, factors, damping, dtype)
+    g = factors.g[: layout.g_mod].view(shapes[0])
+    a = factors.a[layout.a_off : layout.a_off + layout.a_mod].view(shapes[1])
+    if dtype is not None:
+        g, a = g.to(dtype), a.to(dtype)
+    return (g * a + damping).reshape(param.shape)
 
 
 def _reference_update(
@@ -132,7 +192,7 @@ def _foreach_update(
         for bc, f in zip(
             bias_corrections,
             (
-                preconditioner(p, fac, damping, dtype)
+                broadcast_preconditioner(p, fac, damping, dtype)
                 for p, fac in zip(params, factors, strict=True)
             ),
             strict=True,
