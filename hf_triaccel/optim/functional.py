@@ -72,13 +72,10 @@ def preconditioner(
 
 @functools.cache
 def _digit_shapes(layout: FactorLayout, numel: int) -> tuple[tuple[int, ...], ...] | None:
-    """The shapes that make ``g`` and ``a`` broadcast to the flat elements of a parameter
-    seen as mixed-radix digits, or ``None`` when the layout's index pattern has none.
-
-    Factor ``x`` reads digit range ``[x_div, x_div * x_mod)`` of the flat index ``k``; when
-    those bounds and ``numel`` form a chain in which each divides the next, ``k`` splits
-    into digits (most significant first) and each factor varies over a run of them only.
-    A factor with ``x_mod == 1`` is one entry for every element.
+    """The shapes of ``g`` and ``a`` that broadcast to the parameter's flat index ``k``
+    split into mixed-radix digits (``None``: the layout has none). Factor ``x`` reads
+    ``k``'s range ``[x_div, x_div * x_mod)`` (one entry when ``x_mod == 1``): where these
+    bounds and ``numel`` each divide the next, each factor spans a run of digits.
 
     Example:
         >>> _digit_shapes(FactorLayout(g_div=3, g_mod=2, a_div=1, a_mod=3), 6)  # (2, 3) weight
