@@ -10,8 +10,8 @@ The mixin works through the Trainer's own extension points:
 * the loss: ``compute_loss`` is the Trainer's for every model whose ``forward`` takes the
   whole batch by name; the others (timm's ``forward(x)``) get the fallback of
   :mod:`~hf_triaccel.integrations.trainer_loss`;
-* the hooks: the Fisher collector and the controllers are attached while ``train()``
-  runs and removed when it returns (a later ``train()`` rebuilds them, the optimizer
+* the hooks: the Fisher collector is attached while ``train()`` runs and detached when
+  it returns, with the controllers (a later ``train()`` rebuilds them, the optimizer
   state carried over);
 * the elastic batch (``training_step``, ``prediction_step``), telemetry and reports
   (callbacks), and the device image loader (``get_*_dataloader``);
@@ -107,7 +107,6 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin
         self.elastic: TrainerElasticBatch | None = None
         self.eval_pieces: ElasticEvaluation | None = None
         self._built: Any = None  # the optimizer this mixin built and hooked
-        self._hooked = False
         self._carried_state: dict[str, Any] | None = None
         self._takes_batch: dict[tuple, bool] = {}
         if setting(self.args, "triaccel_precision"):
@@ -230,25 +229,26 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin
         if self._carried_state is not None:
             inner.load_state_dict(self._carried_state)
             self._carried_state = None
-        self._built, self._hooked = inner, True
+        self._built = inner
         return optimizer
 
-    def _remove_hooks(self) -> None:
-        """Removes the model hooks of what :meth:`create_optimizer` built."""
-        if not self._hooked:
+    def _detach(self) -> None:
+        """Takes what :meth:`create_optimizer` built off the model: the controllers' hooks
+        are removed, the collector detaches and keeps its factors (a repeat does nothing)."""
+        if self._built is None:
             return
-        for part in (self.steering, self.precision, self.signals, self._built.collector):
+        for part in (self.steering, self.precision, self.signals):
             if part is not None:
                 part.remove()
-        self._hooked = False
+        self._built.collector.detach()
 
     # -- training -------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         rebuild = self._built is not None and _inner(self.optimizer) is self._built
-        if rebuild and not self._hooked and self.model_init is None:
-            # hooks were removed when the last train() returned: rebuild the optimizer
-            # (and its hooks) on the same model, carrying its state over
+        if rebuild and not self._built.collector.attached and self.model_init is None:
+            # detached when the last train() returned: rebuild the optimizer (a collector
+            # attached again, new controllers) on the same model, carrying its state over
             self._carried_state = self._built.state_dict()
             self.optimizer = None
         if self.elastic is not None:
@@ -260,7 +260,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            self._remove_hooks()
+            self._detach()
 
     def compute_loss(
         self,
