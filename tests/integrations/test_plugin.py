@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,10 +55,75 @@ def test_prepare_returns_a_training_loop_kit():
         assert not torch.equal(b, p)
 
 
-@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
-def test_sharded_modes_are_refused(kind):
-    with pytest.raises(NotImplementedError, match="DDP"):
-        check_distributed_support(getattr(accelerate.utils.DistributedType, kind))
+# -- parallelism modes: FSDP2 and DDP run, the flattening ones are refused ---------------
+# Accelerate turns FSDP on only for GPU processes, so its state cannot be launched here: the
+# running state is a CPU Accelerator's, given the FSDP plugin a launch with an accelerate
+# config's `fsdp_version` would give it, and prepare_triaccel meets a stand-in accelerator
+# reporting the mode (it refuses before using anything else of it).
+DistributedType = accelerate.utils.DistributedType
+
+
+def _hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.fixture
+def fsdp_version(monkeypatch):
+    """Sets the FSDP version of the running Accelerator's plugin (``None``: no plugin)."""
+    state = accelerate.Accelerator(cpu=True).state
+
+    def set_version(version: int | None) -> None:
+        plugin = None
+        if version is not None:
+            plugin = accelerate.utils.FullyShardedDataParallelPlugin(fsdp_version=version)
+        monkeypatch.setattr(state, "fsdp_plugin", plugin, raising=False)
+
+    return set_version
+
+
+def assert_names_fsdp2(error: pytest.ExceptionInfo, refused: str) -> None:
+    message = str(error.value)
+    assert f"hf_triaccel does not support {refused}" in message, message
+    # the supported path, as the accelerate config and the Trainer's arguments spell it
+    for path in ("use FSDP2", "fsdp_version: 2", "fsdp_config={'version': 2}"):
+        assert path in message, message
+
+
+@pytest.mark.parametrize(
+    "kind, version, refused",
+    [
+        ("DEEPSPEED", None, "DeepSpeed"),
+        ("FSDP", 1, "FSDP version 1"),
+        ("FSDP", None, "FSDP version 1"),  # no plugin: Accelerate's default, FSDP1
+    ],
+)
+def test_flattening_modes_are_refused_naming_fsdp2(kind, version, refused, fsdp_version):
+    fsdp_version(version)
+    for explicit in (version, None):  # given, or read from the running Accelerator
+        with pytest.raises(NotImplementedError) as error:
+            check_distributed_support(getattr(DistributedType, kind), fsdp_version=explicit)
+        assert_names_fsdp2(error, refused)
+
+
+@pytest.mark.parametrize("kind, version", [("DEEPSPEED", None), ("FSDP", 1)])
+def test_prepare_refuses_before_hooking_the_model(kind, version, fsdp_version):
+    fsdp_version(version)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    stand_in = SimpleNamespace(distributed_type=getattr(DistributedType, kind))
+    with pytest.raises(NotImplementedError) as error:
+        prepare_triaccel(stand_in, model)
+    assert_names_fsdp2(error, "DeepSpeed" if kind == "DEEPSPEED" else "FSDP version 1")
+    assert _hooks(model) == 0
+
+
+def test_fsdp2_and_the_unsharded_modes_are_accepted(fsdp_version):
+    check_distributed_support(DistributedType.FSDP, fsdp_version=2)
+    fsdp_version(2)
+    check_distributed_support(DistributedType.FSDP)  # the running Accelerator's version
+    fsdp_version(1)
+    check_distributed_support(DistributedType.FSDP, fsdp_version=2)  # the one given wins
+    for kind in ("NO", "MULTI_CPU", "MULTI_GPU"):
+        check_distributed_support(getattr(DistributedType, kind))
 
 
 def test_prepare_with_adaptive_precision_checkpoints_its_state():
