@@ -3,11 +3,14 @@
 The CIFAR ResNet-18 under a per-process budget that ``--effective-batch`` exceeds: the
 controller sizing the micro-batch, then shrinking and growing around a competing
 allocation; then ``transformers.Trainer(auto_find_batch_size=True)`` against
-``TriAccelTrainer(elastic_batch=True)``. README.md: what each part records. The
-acceptance checks are tests (tests/memory/test_elastic_acceptance.py).
+``TriAccelTrainer(elastic_batch=True)``, and the latter against ``TriAccelTrainer`` with
+the micro-batch and accumulation it ended with, without elasticity (``--parts`` picks).
+README.md: what each part records. The acceptance checks of the controller are tests
+(tests/memory/test_elastic_acceptance.py).
 
 Usage:
     python benchmarks/bench_elastic.py --out "$OUT"    # --budget-gib 3 --effective-batch 4096
+    python benchmarks/bench_elastic.py --parts elastic_batch,fixed_micro_batch --steps 60
     python benchmarks/bench_elastic.py --smoke --out /tmp/be   # CPU, a fake device
 """
 
@@ -30,6 +33,8 @@ from hf_triaccel.memory import CudaMemoryProbe, ElasticBatchController
 from hf_triaccel.testing import FakeMemoryDevice, SampleLedger
 
 SIZING_STEPS = 10  # steps before the competing allocation; the probe decides in step 0
+TRAINER_MODES = ("auto_find_batch_size", "elastic_batch", "fixed_micro_batch")
+PARTS = ("controller", *TRAINER_MODES)
 STEPS_AFTER_GROW = 3  # steps run at the grown size, to show that it fits
 
 
@@ -191,12 +196,16 @@ class DeviceDataTrainer(Trainer):
         return (loss, {"logits": logits}) if return_outputs else loss
 
 
-def trainer_run(mode: str, budget: Budget, data: ImageTensors, args: Any) -> dict[str, Any]:
-    """Trains ``--steps`` optimizer steps with one Trainer (``mode``:
-    ``auto_find_batch_size`` or ``elastic_batch``); returns its row."""
+def trainer_run(
+    mode: str, budget: Budget, data: ImageTensors, args: Any, fixed: tuple[int, int] = (0, 1)
+) -> dict[str, Any]:
+    """Trains ``--steps`` optimizer steps with one Trainer (``mode``: one of
+    :data:`TRAINER_MODES`; ``fixed_micro_batch`` runs ``fixed``: micro-batch and
+    accumulation, without elasticity); returns its row."""
     auto, device = mode == "auto_find_batch_size", args.device
+    batch, accumulation = fixed if mode == "fixed_micro_batch" else (args.effective_batch, 1)
     row = {"trainer": "transformers.Trainer" if auto else "TriAccelTrainer", "mode": mode}
-    row.update(per_device_batch=args.effective_batch, status="ok", note=None)
+    row.update(per_device_batch=batch, status="ok", note=None)
     # what the controller run left allocated would shrink this run's room
     row["allocated_at_start_bytes"] = torch.cuda.memory_allocated(device) if budget.total else None
     model = trainer = controller = None
@@ -204,17 +213,19 @@ def trainer_run(mode: str, budget: Budget, data: ImageTensors, args: Any) -> dic
         model = harness.build_model(size=args.size)
         to_channels_last(model)  # TriAccelTrainer would; the stock Trainer gets it so too
         budget.attach(model)
-        common = dict(per_device_train_batch_size=args.effective_batch, max_steps=args.steps)
+        common = dict(per_device_train_batch_size=batch, max_steps=args.steps)
+        common["gradient_accumulation_steps"] = accumulation
         common.update(learning_rate=harness.LR, weight_decay=harness.WEIGHT_DECAY, seed=0)
         common.update(optim="adamw_torch_fused", bf16=True, logging_strategy="no")
         # on in transformers, off in TriAccelArguments: the same for both here
         common.update(logging_nan_inf_filter=False, dataloader_drop_last=True)
         # the steady pace is taken after the first step, without start-up and search
         clock = harness.StepClock(device, warmup=1, steps=args.steps - 1, every_step=True)
+        cls = (TriAccelTrainer, TriAccelArguments)
         if auto:
             cls, common["auto_find_batch_size"] = (DeviceDataTrainer, TrainingArguments), True
-        else:
-            cls, common["elastic_batch"] = (TriAccelTrainer, TriAccelArguments), True
+        elif mode == "elastic_batch":
+            common["elastic_batch"] = True
 
         def read_budget(trainer: Trainer) -> None:  # the fake device on a CPU
             if getattr(trainer, "elastic", None) is not None:
@@ -222,25 +233,46 @@ def trainer_run(mode: str, budget: Budget, data: ImageTensors, args: Any) -> dic
                 clock.record = trainer.elastic.controller.metrics
 
         trainer = harness.train(*cls, model, data, clock, read_budget, **common)
-        controller = None if auto else trainer.elastic.controller
+        elastic = getattr(trainer, "elastic", None)  # the stock Trainer has none
+        controller = elastic.controller if elastic is not None else None
         batch, ends = clock.attempts[-1], clock.ends  # the samples of an optimizer step
-        last = (clock.records or [{"micro_batch": batch, "accumulation": 1}])[-1]
+        last = (clock.records or [{"micro_batch": batch, "accumulation": accumulation}])[-1]
         row.update(attempt_batches=clock.attempts, oom_restarts=len(clock.attempts) - 1)
-        row.update(samples_per_step=batch, steps=len(ends), step_end_s=ends, **last)
+        row.update(samples_per_step=batch * accumulation, steps=len(ends), step_end_s=ends)
+        row.update(last)
         row.update(first_step_s=ends[0] if ends else None, total_s=ends[-1] if ends else None)
         row["samples_per_s"] = (clock.window or {}).get("timed_samples_per_second")
         row["step_sizes"] = clock.records
         row["events"] = [asdict(e) for e in controller.events] if controller else []
         if len(ends) != args.steps:
             row["status"], row["note"] = "fail", f"{len(ends)} steps of {args.steps}"
-    model = trainer = controller = None
+    model = trainer = controller = elastic = None
     harness.free_memory(device)
     return row
 
 
-def report(run: dict[str, Any], rows: list[dict[str, Any]], steps: int) -> str:
-    """The controller run's summary and the trainers, as markdown (every step is in the
-    JSON record)."""
+def report(run: dict[str, Any] | None, rows: list[dict[str, Any]], steps: int) -> str:
+    """The controller run's summary (when it ran) and the trainers, as markdown (every
+    step is in the JSON record)."""
+    fmt, lines = harness.fmt, []
+    if run is not None:
+        lines = controller_lines(run)
+    trainers = {
+        "trainer": lambda r: f"{r['trainer']} ({r['mode']})",
+        "samples / optimizer step": lambda r: r.get("samples_per_step", "n/a"),
+        "micro-batch x accumulation": lambda r: f"{r.get('micro_batch')} x {r.get('accumulation')}",
+        "OOM restarts": lambda r: r.get("oom_restarts", "n/a"),
+        "first step s": lambda r: fmt(r.get("first_step_s"), ".2f"),
+        f"{steps} steps s": lambda r: fmt(r.get("total_s"), ".2f"),
+        "samples/s after step 1": lambda r: fmt(r.get("samples_per_s"), ".0f"),
+        "x fixed micro-batch": lambda r: fmt(r.get("vs_fixed"), ".3f", "x"),
+        "note": harness.note,
+    }
+    return "\n\n".join([*lines, harness.table(rows, trainers)])
+
+
+def controller_lines(run: dict[str, Any]) -> list[str]:
+    """The controller run's summary, in a line (after its error, if it stopped)."""
     sz, fmt = run["summary"], harness.fmt
     lines = [f"controller run stopped: {run['error']}"] if run["error"] else []
     lines.append(
@@ -252,42 +284,59 @@ def report(run: dict[str, Any], rows: list[dict[str, Any]], steps: int) -> str:
         f"{sz.get('reruns')} re-run(s); each sample once in every step: "
         f"{'yes' if sz.get('every_step_exact') else 'NO'}"
     )
-    trainers = {
-        "trainer": lambda r: f"{r['trainer']} ({r['mode']})",
-        "samples / optimizer step": lambda r: r.get("samples_per_step", "n/a"),
-        "micro-batch x accumulation": lambda r: f"{r.get('micro_batch')} x {r.get('accumulation')}",
-        "OOM restarts": lambda r: r.get("oom_restarts", "n/a"),
-        "first step s": lambda r: fmt(r.get("first_step_s"), ".2f"),
-        f"{steps} steps s": lambda r: fmt(r.get("total_s"), ".2f"),
-        "samples/s after step 1": lambda r: fmt(r.get("samples_per_s"), ".0f"),
-        "note": harness.note,
-    }
-    return "\n\n".join([*lines, harness.table(rows, trainers)])
+    return lines
+
+
+def trainer_rows(parts: Sequence[str], budget: Budget, data: ImageTensors, args: Any) -> list:
+    """The rows of the Trainer ``parts``, in :data:`TRAINER_MODES` order: the fixed
+    micro-batch runs the micro-batch and accumulation the elastic run ended with."""
+    rows: list[dict[str, Any]] = []
+    for mode in (m for m in TRAINER_MODES if m in parts):
+        if mode == "fixed_micro_batch":
+            elastic = next(r for r in rows if r["mode"] == "elastic_batch")
+            if elastic["status"] != "ok":
+                row = {"trainer": "TriAccelTrainer", "mode": mode, "status": "skipped"}
+                rows.append({**row, "note": "the elastic run failed: no micro-batch to fix"})
+                continue
+            fixed = (elastic["micro_batch"], elastic["accumulation"])
+            rows.append(trainer_run(mode, budget, data, args, fixed=fixed))
+        else:
+            rows.append(trainer_run(mode, budget, data, args))
+    # elasticity's cost: samples/s against the same micro-batch without the controller
+    harness.add_ratio(rows, "samples_per_s", "vs_fixed", lambda r: r["mode"] == TRAINER_MODES[2])
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs both parts; returns 1 when one raised."""
+    """Runs the ``--parts``; returns 1 when one raised."""
     options = {
         "budget_gib": (float, 1.0, 3.0, "memory cap of this process"),
         "effective_batch": (int, 32, 4096, "samples per step"),
         "steps": (int, 3, 20, "optimizer steps of each Trainer"),
         "grow_after": (int, 10, 100, "the controller's stable steps before it grows"),
     }
-    args = harness.parse(harness.base_parser(__doc__.split("\n\n")[0], options, impls=False), argv)
+    parser = harness.base_parser(__doc__.split("\n\n")[0], options, impls=False)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    args = harness.parse(parser, argv)
+    args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    if not args.parts or set(args.parts) - set(PARTS):
+        parser.error(f"--parts {args.parts}: choose from {PARTS}")
+    if "fixed_micro_batch" in args.parts and "elastic_batch" not in args.parts:
+        parser.error("--parts: fixed_micro_batch runs the size elastic_batch ends with")
     if args.device.type == "cuda" and args.device.index is None:  # memory fractions need one
         args.device = torch.device("cuda", torch.cuda.current_device())
     E, fake = args.effective_batch, args.device.type != "cuda"
     budget = Budget(args.device, int(args.budget_gib * harness.GIB), E, fake)
     data = harness.load_images("embedded", "train", smoke=args.smoke, n=2 * E).to(args.device)
-    try:
-        run = controller_run(budget, data, args)
-    except Exception as exc:  # set-up failed: no step ran
-        run = {"steps": [], "events": [], "error": harness.report_error(exc), "summary": {}}
-        run["schedule"] = {"competitor_at": SIZING_STEPS}
-    harness.free_memory(args.device)
-    rows = [
-        trainer_run(mode, budget, data, args) for mode in ("auto_find_batch_size", "elastic_batch")
-    ]
+    run = None
+    if "controller" in args.parts:
+        try:
+            run = controller_run(budget, data, args)
+        except Exception as exc:  # set-up failed: no step ran
+            run = {"steps": [], "events": [], "error": harness.report_error(exc), "summary": {}}
+            run["schedule"] = {"competitor_at": SIZING_STEPS}
+        harness.free_memory(args.device)
+    rows = trainer_rows(args.parts, budget, data, args)
     kind = "fake device" if fake else "CUDA budget"
     print(f"resnet18_cifar ({args.size}), effective batch {E}, {kind} of {budget.budget} bytes")
     config = {"memory": kind, "budget_bytes": budget.budget, "device_total_bytes": budget.total}
@@ -296,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config.update(weight_decay=harness.WEIGHT_DECAY, cudnn_benchmark=torch.backends.cudnn.benchmark)
     payload = {"config": config, "controller_run": run, "trainers": rows}
     harness.finish("bench_elastic", __file__, args, payload, report(run, rows, args.steps))
-    return 1 if run["error"] or any(r["status"] != "ok" for r in rows) else 0
+    return 1 if (run and run["error"]) or any(r["status"] != "ok" for r in rows) else 0
 
 
 if __name__ == "__main__":

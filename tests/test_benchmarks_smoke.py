@@ -215,9 +215,10 @@ def test_bench_elastic_smoke(bench, tmp_path):
     assert summary["shrink_steps"] and summary["grow_steps"]
     assert summary["slope_bytes_per_sample"] > 0
 
-    auto, elastic = payload["trainers"]
-    assert (auto["mode"], elastic["mode"]) == ("auto_find_batch_size", "elastic_batch")
-    for row in (auto, elastic):
+    auto, elastic, fixed = payload["trainers"]
+    modes = ("auto_find_batch_size", "elastic_batch", "fixed_micro_batch")
+    assert (auto["mode"], elastic["mode"], fixed["mode"]) == modes
+    for row in (auto, elastic, fixed):
         assert row["status"] == "ok", row["note"]
         assert row["steps"] == payload["config"]["steps"]
         assert 0 < row["first_step_s"] <= row["total_s"] and row["samples_per_s"] > 0
@@ -226,6 +227,20 @@ def test_bench_elastic_smoke(bench, tmp_path):
     assert elastic["oom_restarts"] == 0 and elastic["samples_per_step"] == E
     assert elastic["accumulation"] >= 2
     assert all(size["micro_batch"] * size["accumulation"] >= E for size in elastic["step_sizes"])
+    # the same micro-batch and accumulation without the controller: the ratio's base
+    assert (fixed["micro_batch"], fixed["accumulation"]) == (
+        elastic["micro_batch"],
+        elastic["accumulation"],
+    )
+    assert fixed["samples_per_step"] == elastic["micro_batch"] * elastic["accumulation"]
+    assert fixed["oom_restarts"] == 0 and fixed["events"] == [] and fixed["step_sizes"] == []
+    assert fixed["vs_fixed"] == 1.0
+    assert elastic["vs_fixed"] == elastic["samples_per_s"] / fixed["samples_per_s"]
+
+
+def test_bench_elastic_fixed_micro_batch_needs_the_elastic_run(bench):
+    with pytest.raises(SystemExit):
+        bench("bench_elastic").main(["--smoke", "--parts", "controller,fixed_micro_batch"])
 
 
 @pytest.mark.slow
