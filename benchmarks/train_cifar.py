@@ -28,7 +28,7 @@ from typing import Any
 import harness
 import torch
 
-from hf_triaccel.data.images import GPUBatchLoader
+from hf_triaccel.data.images import GPUBatchLoader, ImageTensors
 from hf_triaccel.integrations.layout import to_channels_last
 from hf_triaccel.integrations.plugin import TriAccelPlugin
 from hf_triaccel.optim.adafisher import AdaFisher
@@ -98,16 +98,26 @@ def adaptive_record(controllers: tuple | None, precision_map: Path | None) -> di
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Decodes the data, trains, evaluates; returns the result record."""
-    device, cuda = args.device, args.device.type == "cuda"
-    torch.backends.cudnn.benchmark = True
-
+def load_data(args: argparse.Namespace) -> tuple[ImageTensors, ImageTensors, float]:
+    """The training and test images of ``args.data`` (random ones for a smoke run) and
+    the seconds their decoding took."""
     start = time.perf_counter()
     n = max(256, 2 * args.batch_size)  # smoke: images for two batches at least
     train_data = harness.load_images(args.data, "train", smoke=args.smoke, n=n)
     test_data = harness.load_images(args.data, "test", smoke=args.smoke, n=64)
-    decode_seconds = time.perf_counter() - start
+    return train_data, test_data, time.perf_counter() - start
+
+
+def run(
+    args: argparse.Namespace, data: tuple[ImageTensors, ImageTensors, float] | None = None
+) -> dict[str, Any]:
+    """Decodes the data (unless ``data`` holds :func:`load_data`'s result), trains,
+    evaluates; returns the result record."""
+    device, cuda = args.device, args.device.type == "cuda"
+    torch.backends.cudnn.benchmark = True
+    if cuda:  # this run's peak, when several share a process
+        torch.cuda.reset_peak_memory_stats(device)
+    train_data, test_data, decode_seconds = load_data(args) if data is None else data
     mean, std = train_data.channel_stats()
     size, classes = "narrow" if args.smoke else "full", train_data.num_classes
     model = harness.build_model(args.model, size, seed=args.seed, num_classes=classes).to(device)

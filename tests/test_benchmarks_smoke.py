@@ -266,3 +266,62 @@ def test_fast_defaults_script_smoke(tmp_path):
     summary = (tmp_path / "fast_defaults.md").read_text()
     assert summary.count("exit 0 after") == len(records)
     assert "0 stage(s) failed" in summary
+
+
+def test_time_to_accuracy_smoke_appends_and_resumes(bench, tmp_path, capsys):
+    tta, results = bench("time_to_accuracy"), tmp_path / "tta.jsonl"
+    assert tta.main(["--smoke", "--results", str(results)]) == 0
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    # per budget, the two optimizers one after the other
+    assert [(r["budget_epochs"], r["optimizer"]) for r in records] == [
+        (1, "adamw"),
+        (1, "adafisherw"),
+        (2, "adamw"),
+        (2, "adafisherw"),
+    ]
+    for r in records:
+        assert r["epochs"] == 1 and r["steps"] == tta.SMOKE_STEPS and r["train_seconds"] > 0
+        assert "env" in r and r["target"] == tta.TARGET
+    assert "training time AdaFisherW / AdamW" in capsys.readouterr().out
+    # a second call runs only what the file lacks: here nothing
+    assert tta.main(["--smoke", "--results", str(results), "--budgets", "1,2"]) == 0
+    assert len(results.read_text().splitlines()) == len(records)
+
+
+def _record(optimizer: str, budget: int, lr: float, accuracy: float, seconds: float) -> dict:
+    run = dict(optimizer=optimizer, budget_epochs=budget, lr=lr, seed=0)
+    return {**run, "test_accuracy": accuracy, "train_seconds": seconds}
+
+
+def test_time_to_accuracy_summary(bench):
+    tta = bench("time_to_accuracy")
+    records = [
+        _record("adamw", 20, 3e-3, 0.885, 40.0),
+        _record("adamw", 30, 1e-3, 0.880, 61.0),
+        _record("adamw", 30, 3e-3, 0.891, 60.0),
+        _record("adafisherw", 20, 1e-2, 0.893, 42.0),
+        _record("adafisherw", 20, 2e-2, 0.890, 42.5),
+        _record("adafisherw", 30, 1e-2, 0.899, 63.0),
+    ]
+    summary = tta.summarise(records)
+    assert summary["threshold"] == tta.TARGET
+    assert summary["best"]["adafisherw"][20]["lr"] == 1e-2  # the most accurate lr
+    assert summary["chosen"]["adamw"]["budget_epochs"] == 30
+    assert summary["chosen"]["adafisherw"]["budget_epochs"] == 20
+    assert summary["ratio"] == 42.0 / 60.0
+    assert "0.700x" in tta.report(summary)
+    # every optimizer passed by 20 epochs: longer budgets are not run
+    assert tta.settled(records, 30, tta.TARGET) and not tta.settled(records, 20, tta.TARGET)
+
+    # AdamW never reaches the target: both at AdamW's best accuracy
+    slow = [r for r in records if r["optimizer"] == "adafisherw"]
+    adamw = [_record("adamw", 20, 3e-3, 0.87, 40.0), _record("adamw", 30, 3e-3, 0.88, 60.0)]
+    slow += adamw
+    summary = tta.summarise(slow)
+    assert summary["threshold"] == 0.88
+    assert summary["chosen"]["adamw"]["budget_epochs"] == 30
+    assert summary["ratio"] == 42.0 / 60.0
+    assert "AdamW's best" in tta.report(summary)
+    # AdaFisherW not reaching it: no ratio
+    low = tta.summarise([*adamw, _record("adafisherw", 30, 1e-2, 0.875, 63.0)])
+    assert low["chosen"]["adafisherw"] is None and low["ratio"] is None
