@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.layer import LayerFactors
 from hf_triaccel.curvature.noise import noise_probes, noise_ratio, update_probes
+from hf_triaccel.curvature.sharding import is_sharded
 from hf_triaccel.curvature.terms import factor_terms, mean_entry, top_shares
 
 Listener = Callable[[int, "dict[str, ModuleSignals] | None"], None]
@@ -74,6 +75,10 @@ class SignalTracker:
         noise_every: sample the gradients every this many optimizer steps.
         noise_beta: EMA coefficient of the gradient moments, per sample.
         seed: seeds the choice of sampled elements.
+
+    Raises:
+        NotImplementedError: the collector's parameters are sharded by FSDP2 (here, or at
+            an evaluation when they were sharded after the tracker was built).
 
     Attributes:
         signals: the latest signals by module name (empty before the first evaluation).
@@ -119,11 +124,7 @@ class SignalTracker:
         self.noise_beta = noise_beta
         self.steps = 0
         self.signals: dict[str, ModuleSignals] = {}
-        params = {
-            _probe_key(name, attr): getattr(layer.module, attr)
-            for name, layer in collector.layers.items()
-            for attr in layer.layouts
-        }
+        params = self._params()
         generator = torch.Generator().manual_seed(seed)
         self._probes = noise_probes(params, noise_samples, generator)
         self._listeners: OrderedDict[int, Listener] = OrderedDict()
@@ -170,12 +171,32 @@ class SignalTracker:
         for fn in list(self._listeners.values()):
             fn(self.steps, fresh)
 
+    def _params(self) -> dict[str, torch.Tensor]:
+        """The collector's parameters by probe key; refuses FSDP2-sharded ones."""
+        params = {
+            _probe_key(name, attr): getattr(layer.module, attr)
+            for name, layer in self.collector.layers.items()
+            for attr in layer.layouts
+        }
+        sharded = [key for key, p in params.items() if is_sharded(p)]
+        if sharded:
+            raise NotImplementedError(
+                f"the curvature signals (adaptive precision, step-size steering) do not support "
+                f"parameters sharded by FSDP2 (DTensor), such as {sharded[0]!r}: turn them off "
+                "under FSDP2, or train with DDP or on one device"
+            )
+        return params
+
     @torch.no_grad()
     def compute(self) -> dict[str, ModuleSignals]:
         """Computes the signals now, stores them in :attr:`signals` and returns them.
 
         Everything stays on the device until one copy of all values at the end.
+
+        Raises:
+            NotImplementedError: the model's parameters are sharded by FSDP2.
         """
+        self._params()  # sharded since the tracker was built: the signals would be per shard
         rows, factored = [], []
         for name, layer in self.collector.layers.items():
             terms, total = factor_terms(layer)

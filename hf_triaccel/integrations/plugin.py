@@ -268,6 +268,25 @@ def check_distributed_support(
         )
 
 
+def check_fsdp_features(precision: bool, lr_steering: bool, prefix: str = "") -> None:
+    """Raises when a feature driven by the curvature signals is on under FSDP2: the
+    signals read whole parameters and gradients, which FSDP2 shards.
+
+    Example:
+        >>> check_fsdp_features(precision=False, lr_steering=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        NotImplementedError: lr_steering=True: the curvature signals ... not under FSDP2; ...
+    """
+    for name, on in (("precision", precision), ("lr_steering", lr_steering)):
+        if on:
+            raise NotImplementedError(
+                f"{prefix}{name}=True: the curvature signals that drive it read whole "
+                "parameters and gradients, not under FSDP2; turn it off under FSDP2, or "
+                "train with DDP or on one device"
+            )
+
+
 def prepare_triaccel(
     accelerator: Accelerator,
     model: nn.Module,
@@ -304,6 +323,8 @@ def prepare_triaccel(
     """
     plugin = plugin or TriAccelPlugin()
     check_distributed_support(accelerator.distributed_type)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        check_fsdp_features(plugin.precision, plugin.lr_steering, "TriAccelPlugin.")
     compiled, eager = model, eager_module(model)
     model = model if eager is None else eager  # hooks and controllers on the eager modules
     channels_last = plugin.channels_last and to_channels_last(model)

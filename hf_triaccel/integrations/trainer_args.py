@@ -228,6 +228,14 @@ class TriAccelArguments(TrainingArguments):
                 f"TriAccelArguments.optim={chosen!r} does not support FSDP version "
                 f"{fsdp_version}: use FSDP2 (fsdp_config={{'version': 2}}), DDP or a single device"
             )
+        if self.fsdp:
+            for name in ("triaccel_precision", "triaccel_lr_steering"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"TriAccelArguments.{name}=True: the curvature signals that drive it "
+                        "read whole parameters and gradients, not under FSDP2 (fsdp); turn it "
+                        "off under FSDP2, or train with DDP or on one device"
+                    )
 
     def _check_fields(self, ours: bool) -> None:
         config_from_args(self)

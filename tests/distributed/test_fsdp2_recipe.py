@@ -49,3 +49,50 @@ def test_fsdp2_is_accepted_and_the_flattening_modes_name_it():
     TriAccelArguments(fsdp_config={"version": 2}, **common)
     with pytest.raises(ValueError, match="FSDP version 1: use FSDP2"):
         TriAccelArguments(fsdp_config={"version": 1}, **common)
+
+
+@pytest.mark.parametrize("field", ["triaccel_precision", "triaccel_lr_steering"])
+def test_signal_features_are_refused_with_fsdp(field):
+    from hf_triaccel import TriAccelArguments
+
+    common = dict(output_dir="unused", fsdp="full_shard", use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=f"TriAccelArguments.{field}=True: .* FSDP2"):
+        TriAccelArguments(fsdp_config={"version": 2}, **{field: True}, **common)
+    TriAccelArguments(**{field: True}, use_cpu=True, output_dir="unused", report_to=[])
+
+
+def _tracker_meets_sharded_parameters(rank: int, world: int) -> list[str]:
+    """The tracker refuses FSDP2-sharded parameters: built after ``fully_shard``, and at
+    its first evaluation when built before."""
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_triaccel import AdaFisherW
+    from hf_triaccel.curvature.signals import SignalTracker
+
+    errors = []
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    optimizer = AdaFisherW.from_model(model, update_every=1)
+    early = SignalTracker(optimizer.collector, optimizer, every=1)
+    fully_shard(model)
+    try:
+        SignalTracker(optimizer.collector)
+    except NotImplementedError as error:
+        errors.append(str(error))
+    F.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 0, 1])).backward()
+    try:
+        optimizer.step()
+    except NotImplementedError as error:
+        errors.append(str(error))
+    assert early.steps == 1
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_signals_refuse_fsdp2_sharded_parameters(tmp_path):
+    from hf_triaccel.testing import run_distributed
+
+    (errors,) = run_distributed(_tracker_meets_sharded_parameters, 1, tmp_path)
+    assert len(errors) == 2
+    assert all("sharded by FSDP2" in e and "'0.weight'" in e for e in errors), errors

@@ -126,6 +126,16 @@ def test_fsdp2_and_the_unsharded_modes_are_accepted(fsdp_version):
         check_distributed_support(getattr(DistributedType, kind))
 
 
+@pytest.mark.parametrize("feature", ["precision", "lr_steering"])
+def test_signal_features_are_refused_under_fsdp2_before_hooking(feature, fsdp_version):
+    fsdp_version(2)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    stand_in = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with pytest.raises(NotImplementedError, match=f"TriAccelPlugin.{feature}=True: .* FSDP2"):
+        prepare_triaccel(stand_in, model, TriAccelPlugin(**{feature: True}))
+    assert _hooks(model) == 0
+
+
 def test_prepare_with_adaptive_precision_checkpoints_its_state():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
