@@ -1,8 +1,9 @@
 """Train a ViT-B/16 (timm, built from its configuration) with AdaFisherW under FSDP2.
 
 The parameters are sharded by rows over the processes (``torch.distributed.fsdp.fully_shard``
-through Accelerate, ``fsdp_version: 2``): each process keeps its rows, their momentum and
-the slice of the Fisher factors they read, and steps them where they live. Usage::
+through Accelerate, ``fsdp_version: 2``): each process keeps its rows and their momentum,
+and steps them where they live with the slice of the (full, replicated) Fisher factors
+they read. Usage::
 
     accelerate launch --config_file recipes/fsdp2_config.yaml recipes/fsdp2_vit.py
     accelerate launch --config_file recipes/fsdp2_config.yaml --num_processes 1 \\

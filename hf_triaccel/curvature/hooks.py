@@ -13,8 +13,8 @@ or pickled, a hook becomes an :class:`InertHook`, which does nothing. A collecto
 or unpickled together with its model replaces those with hooks of its own.
 
 A forward that activation checkpointing recomputes during the backward counts once: a
-non-reentrant checkpoint (torch's default, used by transformers, timm, torch's
-``checkpoint_wrapper`` and hf_triaccel's own) took the statistic in the original forward,
+non-reentrant checkpoint (``use_reentrant=False``, the form transformers, timm, torch's
+``checkpoint_wrapper`` and hf_triaccel's own use) took the statistic in the original forward,
 so the recompute is skipped (:func:`in_checkpoint_recompute`); a reentrant checkpoint ran
 the original forward without autograd, which takes no statistic, so its recompute does.
 """
