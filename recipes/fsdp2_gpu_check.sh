@@ -6,7 +6,9 @@
 # AdaFisher's state; each stage runs under `timeout` and passes with exit status 0 and two
 # "OK:" lines. Logs and a summary go to $OUT (default outputs/fsdp2_gpu_check).
 #
-#   bash recipes/fsdp2_gpu_check.sh                # from the repository root
+#   bash recipes/fsdp2_gpu_check.sh                # from anywhere
+# An installed package is used as it is; an uninstalled checkout is assembled in a scratch
+# folder, with `datasets` installed from wheels in .whl/ where it is missing.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-outputs/fsdp2_gpu_check}"
@@ -15,6 +17,17 @@ if command -v accelerate >/dev/null; then LAUNCH=(accelerate launch); else
     LAUNCH=(python -m accelerate.commands.launch); fi
 LAUNCH+=(--config_file recipes/fsdp2_config.yaml --num_processes 1)
 status=0
+
+# An uninstalled checkout: the package assembled as pyproject.toml installs it (kernels/ as
+# hf_triaccel.kernels) and `datasets` from the wheels in .whl/, both first on the path.
+if ! python -c "import hf_triaccel.kernels" 2>/dev/null; then
+    scratch=$(mktemp -d)
+    cp -r hf_triaccel "$scratch/" && cp -r kernels "$scratch/hf_triaccel/kernels"
+    if ! python -c "import datasets" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+        python -m pip install -q --no-index --no-deps --target "$scratch" .whl/*.whl
+    fi
+    export PYTHONPATH="$scratch${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 stage() {  # stage NAME SECONDS ARGS...: one launch of the recipe
     local name=$1 limit=$2
