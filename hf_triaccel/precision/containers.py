@@ -19,9 +19,9 @@ import torch
 
 HALF = (torch.float16, torch.bfloat16)
 
-# Measured reason for not using torch.utils._pytree (timeit on the CPU, torch 2.14.1): on a
-# one-tensor tuple, map_tensors took 2.5 us and tree_map_only(torch.Tensor, ...) 37 us;
-# collecting the tensors of (args, kwargs), 5.5 us against 16 us for tree_leaves.
+# Measured reason for not using torch.utils._pytree: mapping and collecting the tensors of
+# a hook's small containers takes a fraction of tree_map_only's / tree_leaves' host time
+# (BENCHMARKS.md, "Container walker of the precision hooks": figures and commands).
 
 
 def tensors(obj: Any) -> Iterator[torch.Tensor]:
