@@ -15,9 +15,20 @@
 #      hand-written AdamW(fused) loop, and the eager TriAccelTrainer, in one process: steady
 #      samples/s and compilation seconds.
 #
+# --long runs the acceptance stages instead, in one call of under 10 minutes:
+#   1-3. recipe, loop, recipe_compile: `accelerate launch recipes/train.py --recipe
+#      cifar10_resnet18` (30 epochs, its defaults) against a hand-written channels-last bf16
+#      AdamW(fused) loop on the same data, epochs and batch (train_cifar.py), then the
+#      recipe with --torch_compile true: samples/s, wall time, accuracy, compile seconds.
+#   4. elastic: TriAccelTrainer with the elastic batch against the micro-batch and
+#      accumulation it settles on without elasticity (bench_elastic.py): samples/s.
+#   5. time_to_accuracy: the 10-epoch budget of the time-to-accuracy grid, AdamW(fused)
+#      and AdaFisherW at their default learning rates (a sanity check of the grid's runs).
+#   6. acceptance: every figure against its target (acceptance.py).
+#
 # Usage, from anywhere (the repository is this script's parent folder):
-#   bash benchmarks/fast_defaults.sh            # a GPU; $OUT receives the records
-#   bash benchmarks/fast_defaults.sh --smoke    # CPU, tiny models, every stage in seconds
+#   bash benchmarks/fast_defaults.sh [--long]            # a GPU; $OUT receives the records
+#   bash benchmarks/fast_defaults.sh [--long] --smoke    # CPU, tiny models, every stage
 # Environment: OUT (default .out/fast_defaults), PYTHON (default python3, else python),
 # DATA (default .data/cifar10 when it holds train.parquet, else the embedded CIFAR-10
 # slice), COMPILE_BACKEND (default inductor). Without the `datasets` package, the wheels in .whl/
@@ -26,18 +37,21 @@
 set -uo pipefail
 
 smoke=()
-case "${1:-}" in
-    "") ;;
-    --smoke) smoke=(--smoke) ;;
-    *) echo "usage: $0 [--smoke]" >&2; exit 2 ;;
-esac
+suite=fast_defaults
+for arg in "$@"; do
+    case "$arg" in
+        --smoke) smoke=(--smoke) ;;
+        --long) suite=fast_defaults_long ;;
+        *) echo "usage: $0 [--long] [--smoke]" >&2; exit 2 ;;
+    esac
+done
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-$root/.out/fast_defaults}
 mkdir -p "$OUT"
-summary="$OUT/fast_defaults.md"
+summary="$OUT/$suite.md"
 : > "$summary"
 
 # The package as this checkout holds it: hf_triaccel/ with kernels/ as hf_triaccel.kernels
@@ -66,7 +80,7 @@ backend=${COMPILE_BACKEND:-inductor}
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD 2>/dev/null || commit="$commit (or a modified copy)"
 {
-    echo "# fast_defaults.sh ${smoke[*]:-}"
+    echo "# fast_defaults.sh $* ($suite)"
     echo
     echo "commit $commit, $(date -u +%FT%TZ), data $data, compile backend $backend"
     "$PY" - << 'EOF'
@@ -98,31 +112,73 @@ stage() {
     done
 }
 
-# full sizes: the scripts' defaults, ViT-B/16 with fewer steps (each is longer); smoke: the
-# scripts' smoke sizes, AdaFisher's portable implementation (Triton would be interpreted)
-impls=triton
-vit=(--warmup 10 --steps 50)
-train=(--steps 300)
-if [[ ${#smoke[@]} -gt 0 ]]; then
-    impls=foreach
-    vit=()
-    train=(--steps 3 --warmup 3)
-fi
+# a recipe run's records (not its model and card) kept from its scratch output folder
+keep_records() {
+    mkdir -p "$OUT/$1"
+    cp "$scratch/$1"/{results,efficiency_report,history}.json "$OUT/$1/" 2>/dev/null
+}
 
-stage train_step_resnet18 100 \
-    "$PY" benchmarks/bench_train_step.py "${smoke[@]}" --impls "$impls" \
-    --out "$OUT/train_step_resnet18"
-stage train_step_vit_b16 120 \
-    "$PY" benchmarks/bench_train_step.py "${smoke[@]}" --model vit_base_patch16_224 \
-    --impls "$impls" "${vit[@]}" --out "$OUT/train_step_vit_b16"
-stage trainer 110 \
-    "$PY" benchmarks/bench_trainer.py "${smoke[@]}" --data "$data" "${train[@]}" \
-    --variants loop_adamw_fused,trainer_adamw_fused,trainer_adafisherw --out "$OUT/trainer"
-stage trainer_compile 230 \
-    "$PY" benchmarks/bench_trainer.py "${smoke[@]}" --data "$data" "${train[@]}" \
-    --compile-backend "$backend" \
-    --variants trainer_adafisherw_compiled,loop_adamw_fused_compiled,trainer_adafisherw \
-    --out "$OUT/trainer_compile"
+# --long: the acceptance stages
+long_stages() {
+    # the recipe as a user runs it: accelerate launch, one process
+    launch=("$PY" -m accelerate.commands.launch --num_processes 1 --num_machines 1
+        --mixed_precision no --dynamo_backend no)
+    recipe=(recipes/train.py --recipe cifar10_resnet18 --dataset "$data" --disable_tqdm true)
+    loop=(--epochs 30 --batch_size 512)
+    elastic=(--steps 60)
+    tta=(--budgets 10)
+    if [[ ${#smoke[@]} -gt 0 ]]; then
+        recipe+=(--model test_resnet --use_cpu --max_steps 4 --per_device_train_batch_size 8
+            --per_device_eval_batch_size 100 --logging_steps 1 --plot false)
+        loop=(--batch_size 8 --max_steps 3)
+        elastic=()
+        tta=(--budgets 1)
+    fi
+    stage recipe 130 "${launch[@]}" "${recipe[@]}" --output_dir "$scratch/recipe"
+    keep_records recipe
+    stage loop 100 "$PY" benchmarks/train_cifar.py "${smoke[@]}" --data "$data" \
+        --optimizer adamw "${loop[@]}" --out "$OUT/loop/train_cifar.json"
+    stage recipe_compile 205 "${launch[@]}" "${recipe[@]}" --torch_compile true \
+        --torch_compile_backend "$backend" --output_dir "$scratch/recipe_compile"
+    keep_records recipe_compile
+    stage elastic 60 "$PY" benchmarks/bench_elastic.py "${smoke[@]}" "${elastic[@]}" \
+        --parts elastic_batch,fixed_micro_batch --out "$OUT/elastic"
+    stage time_to_accuracy 80 "$PY" benchmarks/time_to_accuracy.py "${smoke[@]}" \
+        --data "$data" "${tta[@]}" --adamw-lrs 3e-3 --adafisherw-lrs 1e-2 \
+        --results "$OUT/time_to_accuracy/time_to_accuracy.jsonl"
+    stage acceptance 25 "$PY" benchmarks/acceptance.py "$OUT"
+}
+
+# the fast-defaults stages
+short_stages() {
+    # full sizes: the scripts' defaults, ViT-B/16 with fewer steps (each is longer); smoke: the
+    # scripts' smoke sizes, AdaFisher's portable implementation (Triton would be interpreted)
+    impls=triton
+    vit=(--warmup 10 --steps 50)
+    train=(--steps 300)
+    if [[ ${#smoke[@]} -gt 0 ]]; then
+        impls=foreach
+        vit=()
+        train=(--steps 3 --warmup 3)
+    fi
+
+    stage train_step_resnet18 100 \
+        "$PY" benchmarks/bench_train_step.py "${smoke[@]}" --impls "$impls" \
+        --out "$OUT/train_step_resnet18"
+    stage train_step_vit_b16 120 \
+        "$PY" benchmarks/bench_train_step.py "${smoke[@]}" --model vit_base_patch16_224 \
+        --impls "$impls" "${vit[@]}" --out "$OUT/train_step_vit_b16"
+    stage trainer 110 \
+        "$PY" benchmarks/bench_trainer.py "${smoke[@]}" --data "$data" "${train[@]}" \
+        --variants loop_adamw_fused,trainer_adamw_fused,trainer_adafisherw --out "$OUT/trainer"
+    stage trainer_compile 230 \
+        "$PY" benchmarks/bench_trainer.py "${smoke[@]}" --data "$data" "${train[@]}" \
+        --compile-backend "$backend" \
+        --variants trainer_adafisherw_compiled,loop_adamw_fused_compiled,trainer_adafisherw \
+        --out "$OUT/trainer_compile"
+}
+
+if [[ $suite == fast_defaults_long ]]; then long_stages; else short_stages; fi
 
 printf '\n%d stage(s) failed; records in %s\n' "$failed" "$OUT" | tee -a "$summary"
 echo

@@ -325,3 +325,41 @@ def test_time_to_accuracy_summary(bench):
     # AdaFisherW not reaching it: no ratio
     low = tta.summarise([*adamw, _record("adafisherw", 30, 1e-2, 0.875, 63.0)])
     assert low["chosen"]["adafisherw"] is None and low["ratio"] is None
+
+
+@pytest.mark.slow
+def test_fast_defaults_long_script_smoke(tmp_path):
+    """Every stage of ``fast_defaults.sh --long`` runs and leaves the records the
+    acceptance figures are read from (CPU, tiny models, the embedded data)."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DATA": "embedded"}
+    env["COMPILE_BACKEND"] = "eager"
+    script = BENCHMARKS / "fast_defaults.sh"
+    done = subprocess.run(
+        ["bash", str(script), "--long", "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stages = ("recipe", "loop", "recipe_compile", "elastic", "time_to_accuracy", "acceptance")
+    summary = (tmp_path / "fast_defaults_long.md").read_text()
+    assert summary.count("exit 0 after") == len(stages) and "0 stage(s) failed" in summary
+    for stage in stages:
+        assert f"## {stage}\n" in summary and (tmp_path / f"{stage}.log").is_file()
+    # the recipe runs keep their records, not their models
+    assert not list(tmp_path.rglob("*.safetensors"))
+    acceptance = json.loads((tmp_path / "acceptance" / "acceptance.json").read_text())
+    runs = acceptance["runs"]
+    assert all(run["samples_per_second"] > 0 for run in runs.values())
+    assert runs["recipe"]["compile_seconds"] is None
+    assert runs["recipe_compile"]["compile_seconds"] >= 0.0
+    checks = {c["check"]: c for c in acceptance["checks"]}
+    assert len(checks) == 5 and all(c["value"] is not None for c in checks.values())
+    ratio = runs["recipe"]["samples_per_second"] / runs["loop"]["samples_per_second"]
+    assert checks["recipe / loop, training samples/s"]["value"] == pytest.approx(ratio)
+    assert acceptance["elastic_vs_fixed"] > 0
+    # the sanity budget: one run per optimizer, in the grid's format
+    records = (tmp_path / "time_to_accuracy" / "time_to_accuracy.jsonl").read_text().splitlines()
+    assert [json.loads(r)["optimizer"] for r in records] == ["adamw", "adafisherw"]
+    assert "| check | measured | target | met |" in summary
