@@ -25,7 +25,7 @@ from accelerate.state import AcceleratorState  # noqa: E402
 
 from hf_triaccel.integrations.plugin import TriAccelPlugin, prepare_triaccel  # noqa: E402
 from hf_triaccel.integrations.trainer import TriAccelTrainer  # noqa: E402
-from tests.integrations.tiny import ImageSet, make_args, tiny_timm  # noqa: E402
+from tests.integrations.tiny import ImageSet, Logs, make_args, tiny_timm  # noqa: E402
 
 
 class HFStyleConv(nn.Module):
@@ -41,14 +41,6 @@ class HFStyleConv(nn.Module):
     def forward(self, pixel_values, labels=None):
         logits = self.head(F.relu(self.norm(self.conv(pixel_values))).mean(dim=(2, 3)))
         return {"loss": F.cross_entropy(logits, labels), "logits": logits}
-
-
-class Logs(transformers.TrainerCallback):
-    def __init__(self) -> None:
-        self.entries: list[dict] = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.entries.append(dict(logs))
 
 
 def _compiled_frames() -> int:

@@ -14,21 +14,11 @@ transformers = pytest.importorskip("transformers")
 
 from hf_triaccel.integrations.telemetry import REPORT_NAME  # noqa: E402
 from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer  # noqa: E402
-from tests.integrations.tiny import ImageSet, TokenSet, make_args, tiny_gpt2, tiny_timm  # noqa: E402
+from tests.integrations.tiny import ImageSet, Logs, TokenSet, make_args, tiny_gpt2, tiny_timm  # noqa: E402
 
 # what transformers' resume tests leave out when comparing a run's log history to its
 # resumption's (TrainerIntegrationCommon.check_trainer_state_are_the_same)
 TIMING_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss")
-
-
-class Logs(transformers.TrainerCallback):
-    """The logs as the reporting callbacks receive them."""
-
-    def __init__(self) -> None:
-        self.entries: list[dict] = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.entries.append(dict(logs))
 
 
 def test_timm_model_trains_and_reports(tmp_path):

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
 from torch.utils.data import Dataset
+
+
+class Logs(transformers.TrainerCallback):
+    """The logs as the reporting callbacks receive them (telemetry included)."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.entries.append(dict(logs))
 
 
 class ImageSet(Dataset):
@@ -23,17 +34,21 @@ class ImageSet(Dataset):
 
 
 class TokenSet(Dataset):
-    """Token sequences whose labels are the inputs (causal LM)."""
+    """Token sequences whose labels are the inputs (causal LM); with ``masked``, about half
+    of the first four labels of each sequence are -100, so sequences count unequal tokens."""
 
-    def __init__(self, n: int = 16, seq: int = 12, vocab: int = 64) -> None:
+    def __init__(self, n: int = 16, seq: int = 12, vocab: int = 64, masked: bool = False) -> None:
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, vocab, (n, seq), generator=gen)
+        self.labels = self.ids.clone()
+        if masked:
+            self.labels[:, :4][torch.rand(n, 4, generator=gen) < 0.5] = -100
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
 class VectorSet(Dataset):
@@ -72,13 +87,10 @@ def tiny_timm():
 
 
 def tiny_gpt2(**config):
-    import transformers
-
+    """A one-block GPT-2 (``config`` overrides its settings)."""
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, **config
-    )
-    return transformers.GPT2LMHeadModel(config)
+    settings = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**settings, **config}))
 
 
 def make_args(tmp_path, **kw):

@@ -23,16 +23,8 @@ from hf_triaccel.integrations.elastic import (  # noqa: E402
 from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer  # noqa: E402
 from hf_triaccel.memory.elastic import ElasticBatchController  # noqa: E402
 from hf_triaccel.testing import CountingProbe, OOMInBackward, oom  # noqa: E402
-
-
-class Logs(transformers.TrainerCallback):
-    """The logs as the reporting callbacks receive them (telemetry included)."""
-
-    def __init__(self) -> None:
-        self.entries: list[dict] = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.entries.append(dict(logs))
+from tests.integrations import tiny  # noqa: E402
+from tests.integrations.tiny import Logs, TokenSet, tiny_gpt2  # noqa: E402
 
 
 class ElasticTrainer(TriAccelTrainer):
@@ -43,35 +35,14 @@ class ElasticTrainer(TriAccelTrainer):
         self.enable_elastic_batch(**(elastic or {}))
 
 
-class TokenSet(Dataset):
-    def __init__(self, n: int = 32, seq: int = 8, vocab: int = 64) -> None:
-        gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, seq), generator=gen)
-        self.labels = self.ids.clone()
-        self.labels[:, :4][torch.rand(n, 4, generator=gen) < 0.5] = -100  # uneven token counts
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+def tokens() -> TokenSet:
+    return TokenSet(n=32, seq=8, masked=True)  # uneven token counts
 
 
-def tiny_gpt2(limit: int | None = None, armed: list[bool] | None = None):
+def gpt2(limit: int | None = None, armed: list[bool] | None = None):
     """GPT-2 without dropout (pieces draw different masks than the whole batch), with an
     OOM for more than ``limit`` sequences and an OOM in the backward while ``armed``."""
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=1,
-        n_embd=16,
-        n_head=2,
-        vocab_size=64,
-        n_positions=16,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    model = tiny_gpt2(n_embd=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     if limit is not None:
 
         def too_big(module, args, kwargs):
@@ -91,21 +62,10 @@ def tiny_gpt2(limit: int | None = None, armed: list[bool] | None = None):
 
 
 def make_args(tmp_path, **kw) -> TriAccelArguments:
-    defaults = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        adafisher_update_every=1,
-        disable_tqdm=True,
-        max_steps=3,
+    """Three steps, each logged and each a Fisher refresh."""
+    return tiny.make_args(
+        tmp_path, **{"logging_steps": 1, "adafisher_update_every": 1, "max_steps": 3, **kw}
     )
-    defaults.update(kw)
-    return TriAccelArguments(**defaults)
 
 
 class VectorSet(Dataset):
@@ -141,7 +101,7 @@ CASES = {
     # GPT-2's loss is normalised by the Trainer's token count: pieces are added as they are.
     # (AdaFisher is left out here: the statistic of its position embedding, broadcast over
     # the batch, depends on the micro-batch size.)
-    "gpt2-adamw": (tiny_gpt2, TokenSet, "adamw_torch"),
+    "gpt2-adamw": (gpt2, tokens, "adamw_torch"),
     # a plain module's mean loss: pieces are weighted by their share of the batch
     "mlp-adafisherw": (FaultyMLP, VectorSet, "adafisherw"),
 }
@@ -219,14 +179,14 @@ def test_checkpoint_keeps_the_micro_batch(tmp_path, restore_callbacks):
 
 def test_auto_find_batch_size_turns_on_elastic_and_keeps_the_arguments(tmp_path):
     args = make_args(tmp_path, auto_find_batch_size=True)
-    trainer = TriAccelTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenSet())
+    trainer = TriAccelTrainer(model=gpt2(), args=args, train_dataset=tokens())
     assert trainer.elastic is not None and trainer.eval_pieces is not None
     assert args.auto_find_batch_size and not args.elastic_batch  # as given
     with pytest.warns(UserWarning, match="gradient_accumulation_steps=2"):
         ElasticTrainer(
-            model=tiny_gpt2(),
+            model=gpt2(),
             args=make_args(tmp_path, gradient_accumulation_steps=2),
-            train_dataset=TokenSet(),
+            train_dataset=tokens(),
         )
 
 
@@ -303,9 +263,9 @@ def test_optimizer_step_oom_restarts_with_a_smaller_batch(tmp_path):
 
 def test_activation_checkpointing_fallback_uses_the_models_own_switch(tmp_path):
     trainer = ElasticTrainer(
-        model=tiny_gpt2(),
+        model=gpt2(),
         args=make_args(tmp_path),
-        train_dataset=TokenSet(),
+        train_dataset=tokens(),
         elastic={"checkpoint_blocks": 1, "min_micro_batch": 4},
     )
     trainer.elastic.controller.enable_activation_checkpointing()
@@ -381,10 +341,10 @@ def test_fisher_rollback_keeps_adafisher_exact():
 
 
 def test_fallback_leaves_transformers_checkpointing_alone(tmp_path):
-    model = tiny_gpt2()
+    model = gpt2()
     # transformers 5.24's name, or the older one (5.17)
     enable = getattr(model, "activation_checkpointing_enable", None)
     (enable or model.gradient_checkpointing_enable)()
-    trainer = ElasticTrainer(model=model, args=make_args(tmp_path), train_dataset=TokenSet())
+    trainer = ElasticTrainer(model=model, args=make_args(tmp_path), train_dataset=tokens())
     trainer.elastic.enable_activation_checkpointing()
     assert trainer.elastic.checkpointed is None
