@@ -80,17 +80,15 @@ def _digit_shapes(layout: FactorLayout, numel: int) -> tuple[tuple[int, ...], ..
     Example:
         >>> _digit_shapes(FactorLayout(g_div=3, g_mod=2, a_div=1, a_mod=3), 6)  # (2, 3) weight
         ((2, 1), (1, 3))
-        >>> _digit_shapes(FactorLayout(g_div=2, g_mod=3, a_div=3, a_mod=2), 6) is None
-        True
     """
     ranges = [(layout.g_div, layout.g_mod), (layout.a_div, layout.a_mod)]
     bounds = sorted({1, numel, *(b for d, m in ranges if m > 1 for b in (d, d * m))})
     if bounds[-1] != numel or any(hi % lo for lo, hi in zip(bounds, bounds[1:], strict=False)):
         return None
-    digits = list(zip(bounds, bounds[1:], strict=False))[::-1]
+    digits = list(zip(bounds, bounds[1:], strict=False))[::-1]  # most significant first
     return tuple(
-        tuple(hi // lo if m > 1 and div <= lo and hi <= div * m else 1 for lo, hi in digits) or (1,)
-        for div, m in ranges
+        tuple(hi // lo if m > 1 and d <= lo and hi <= d * m else 1 for lo, hi in digits) or (1,)
+        for d, m in ranges
     )
 
 
@@ -100,9 +98,8 @@ def broadcast_preconditioner(
     damping: float,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor | None:
-    """:func:`preconditioner` as the product of the two factor vectors broadcast against
-    each other, without per-element indices (the same arithmetic, so the same values);
-    a layout without a broadcast form goes through :func:`preconditioner`.
+    """:func:`preconditioner`'s values from the factor vectors broadcast against each other,
+    without per-element indices (a layout with no broadcast form takes its index path).
 
     Example:
         >>> from hf_triaccel.curvature.rules.base import out_in_layout
@@ -114,8 +111,7 @@ def broadcast_preconditioner(
     """
     if factors is None:
         return None
-    layout = factors.layout
-    shapes = _digit_shapes(layout, param.numel())
+    layout, shapes = factors.layout, _digit_shapes(factors.layout, param.numel())
     if shapes is None:
         return preconditioner(param, factors, damping, dtype)
     g = factors.g[: layout.g_mod].view(shapes[0])
