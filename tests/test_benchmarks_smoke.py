@@ -363,3 +363,31 @@ def test_fast_defaults_long_script_smoke(tmp_path):
     records = (tmp_path / "time_to_accuracy" / "time_to_accuracy.jsonl").read_text().splitlines()
     assert [json.loads(r)["optimizer"] for r in records] == ["adamw", "adafisherw"]
     assert "| check | measured | target | met |" in summary
+
+
+def test_bench_commits_smoke(tmp_path):
+    """Two commits' packages (here the same commit named two ways), each assembled from
+    git and timed in its own process, rows for every variant of each."""
+    head = subprocess.run(
+        ["git", "-C", str(BENCHMARKS), "rev-parse", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_commits.py"), head, "HEAD", "--smoke"]
+        + ["--rounds", "1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_commits.json").read_text())
+    assert [r["commit"] for r in rows] == [head] * 3 + ["HEAD"] * 3
+    assert {(r["optimizer"], r["update_every"]) for r in rows} == {
+        ("adamw", 0),
+        ("adafisherw", 1),
+        ("adafisherw", 10**9),
+    }
+    assert all(r["train_step_ms"] > 0 and r["optimizer_step_ms"] > 0 for r in rows)
+    assert done.stdout.count("\n| ") == len(rows)  # under the header and its rule, a line a row
