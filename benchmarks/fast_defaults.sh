@@ -54,12 +54,13 @@ mkdir -p "$OUT"
 summary="$OUT/$suite.md"
 : > "$summary"
 
-# The package as this checkout holds it: hf_triaccel/ with kernels/ as hf_triaccel.kernels
-# (the layout pyproject.toml installs), first on the path.
+# The package as this checkout holds it: hf_triaccel/ with kernels/ and model_card_templates/
+# inside it (the layout pyproject.toml installs), first on the path.
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 cp -r hf_triaccel "$scratch/"
 cp -r kernels "$scratch/hf_triaccel/kernels"
+cp -r model_card_templates "$scratch/hf_triaccel/model_card_templates"
 export PYTHONPATH="$scratch${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import datasets" 2>/dev/null; then
     if compgen -G ".whl/*.whl" > /dev/null; then

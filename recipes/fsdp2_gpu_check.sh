@@ -18,11 +18,13 @@ if command -v accelerate >/dev/null; then LAUNCH=(accelerate launch); else
 LAUNCH+=(--config_file recipes/fsdp2_config.yaml --num_processes 1)
 status=0
 
-# An uninstalled checkout: the package assembled as pyproject.toml installs it (kernels/ as
-# hf_triaccel.kernels) and `datasets` from the wheels in .whl/, both first on the path.
+# An uninstalled checkout: the package assembled as pyproject.toml installs it (kernels/ and
+# model_card_templates/ inside hf_triaccel/) and `datasets` from the wheels in .whl/, both
+# first on the path.
 if ! python -c "import hf_triaccel.kernels" 2>/dev/null; then
     scratch=$(mktemp -d)
     cp -r hf_triaccel "$scratch/" && cp -r kernels "$scratch/hf_triaccel/kernels"
+    cp -r model_card_templates "$scratch/hf_triaccel/model_card_templates"
     if ! python -c "import datasets" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
         python -m pip install -q --no-index --no-deps --target "$scratch" .whl/*.whl
     fi
