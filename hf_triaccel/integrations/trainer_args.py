@@ -19,7 +19,7 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from hf_triaccel.integrations.optimizers import OPTIMIZERS, adafisher_config
-from hf_triaccel.integrations.plugin import TriAccelPlugin
+from hf_triaccel.integrations.plugin import TriAccelPlugin, check_fsdp_features
 from hf_triaccel.optim.config import DEFAULT_LR, AdaFisherConfig
 
 _CONFIG = {f.name: f for f in dataclasses.fields(AdaFisherConfig)}
@@ -229,13 +229,9 @@ class TriAccelArguments(TrainingArguments):
                 f"{fsdp_version}: use FSDP2 (fsdp_config={{'version': 2}}), DDP or a single device"
             )
         if self.fsdp:
-            for name in ("triaccel_precision", "triaccel_lr_steering"):
-                if getattr(self, name):
-                    raise ValueError(
-                        f"TriAccelArguments.{name}=True: the curvature signals that drive it "
-                        "read whole parameters and gradients, not under FSDP2 (fsdp); turn it "
-                        "off under FSDP2, or train with DDP or on one device"
-                    )
+            check_fsdp_features(
+                self.triaccel_precision, self.triaccel_lr_steering, "TriAccelArguments.triaccel_"
+            )
 
     def _check_fields(self, ours: bool) -> None:
         config_from_args(self)
