@@ -234,3 +234,24 @@ def test_the_tests_import_the_installed_package():
     else:
         assert ROOT not in package.parents and ROOT not in kernels.parents
         assert kernels == package / "kernels"
+
+
+# the scripts that run an uninstalled checkout by assembling the package in a scratch folder
+ASSEMBLING_SCRIPTS = ("benchmarks/fast_defaults.sh", "recipes/fsdp2_gpu_check.sh")
+
+
+@pytest.mark.parametrize("script", ASSEMBLING_SCRIPTS)
+def test_scratch_assemblies_copy_every_mapped_folder(script):
+    """A script that assembles the package from the checkout copies each folder that
+    pyproject.toml's ``package-dir`` maps inside the package (``kernels/``,
+    ``model_card_templates/``): an editable install would hide one it left out."""
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        mapped = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    text = (ROOT / script).read_text()
+    for package, folder in mapped.items():
+        if package == folder:  # the package itself, copied as it is
+            assert f"cp -r {folder} " in text
+            continue
+        inside = package.replace(".", "/")
+        assert f'cp -r {folder} "$scratch/{inside}"' in text, (script, folder)
