@@ -236,14 +236,11 @@ class TrainerElasticBatch(TrainerCallback):
                     loss = loss.mean()
                 return loss / divisor
 
-            backward = trainer.accelerator.backward
-            if self._no_rerun():
-                loss_fn, backward = _not_rerun(loss_fn), _not_rerun(backward)
             loss = self.controller.run_step(
                 inputs,
                 loss_fn,
                 model=model,
-                backward=backward,
+                backward=trainer.accelerator.backward,
                 normalized=normalized,
                 rollbacks=self._rollbacks(),
             )
@@ -252,14 +249,6 @@ class TrainerElasticBatch(TrainerCallback):
         if steps is not None and trainer.state.global_step % steps == 0:
             self.probe.release()
         return loss
-
-    def _no_rerun(self) -> bool:
-        """Whether an out-of-memory error must not be re-run: under FSDP with several
-        ranks, whose forward and backward gather parameters (see the class doc)."""
-        accelerator = self.trainer.accelerator
-        return accelerator.distributed_type == DistributedType.FSDP and (
-            accelerator.num_processes > 1
-        )
 
     def _rollbacks(self) -> list[FisherStatisticsRollback]:
         collector = getattr(self.trainer, "collector", None)
@@ -292,26 +281,6 @@ class TrainerElasticBatch(TrainerCallback):
         reset = getattr(self.probe, "reset_overall_peak", None)
         if callable(reset):
             reset()
-
-
-def _not_rerun(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with its out-of-memory errors raised as :class:`ElasticBatchError`, which the
-    controller does not re-run."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as err:
-            if not is_oom(err):
-                raise
-            # raised in the handler, not from it: the controller must not see an OOM cause
-            raise ElasticBatchError(  # noqa: B904
-                "out of memory on this rank under FSDP: a step cannot be re-run on one rank "
-                "(its forward and backward gather parameters with the other ranks); lower "
-                "elastic_target_fraction or the batch size"
-            )
-
-    return call
 
 
 def _combine(results: list[tuple[Any, Any, Any]], sizes: list[int]) -> tuple[Any, Any, Any]:

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_triaccel.curvature.sharding import is_sharded
+
 
 def agree_min(value: int, process_group: Any = None) -> int:
     """The smallest ``value`` over the ranks of ``process_group`` (``value`` itself when
@@ -34,6 +36,20 @@ def agree_min(value: int, process_group: Any = None) -> int:
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=process_group)
     return int(tensor.item())
+
+
+def sharded_over_processes(model: nn.Module) -> bool:
+    """Whether ``model`` has parameters sharded by FSDP2 (DTensors) while several processes
+    run: its forward and backward then gather parameters with the other processes, so
+    one process cannot re-run a step alone.
+
+    Example:
+        >>> sharded_over_processes(nn.Linear(2, 2))
+        False
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return any(is_sharded(p) for p in model.parameters())
 
 
 def syncs_gradients(model: nn.Module) -> bool:

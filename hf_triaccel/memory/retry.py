@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from hf_triaccel.memory.distributed import DDPBufferSync
+from hf_triaccel.memory.distributed import DDPBufferSync, sharded_over_processes
 from hf_triaccel.memory.probe import is_oom
 from hf_triaccel.memory.rollback import StepRollback
 
@@ -51,10 +51,27 @@ class AttemptProgress:
     regular_max: int = 0
 
 
-def check_rerunnable(progress: AttemptProgress, message: str, carried: bool) -> None:
+def check_rerunnable(
+    progress: AttemptProgress, message: str, carried: bool, sharded: bool = False
+) -> None:
     """Raises :class:`ElasticBatchError` when a failed step cannot be re-run exactly:
-    gradients from before the step (``carried``) would be lost, or a gradient
-    all-reduce was partly launched."""
+    gradients from before the step (``carried``) would be lost, a gradient all-reduce
+    was partly launched, or the model is sharded over several processes (``sharded``:
+    FSDP2 gathers parameters inside the forward and backward, so a process that re-ran
+    alone would no longer match the others' collectives).
+
+    Example:
+        >>> check_rerunnable(AttemptProgress(), "CUDA out of memory.", False, sharded=True)
+        Traceback (most recent call last):
+        ...
+        hf_triaccel.memory.retry.ElasticBatchError: out of memory (CUDA out of memory.) on ...
+    """
+    if sharded:
+        raise ElasticBatchError(
+            f"out of memory ({message}) on this process under FSDP2: a step cannot be "
+            "re-run by one process alone (its forward and backward gather parameters with "
+            "the others); lower target_fraction (elastic_target_fraction) or the batch size"
+        )
     if carried:
         raise ElasticBatchError(
             f"out of memory ({message}) with gradients from before this step present: "
@@ -106,6 +123,7 @@ def run_with_retries(
     """
     params = [p for p in model.parameters() if p.requires_grad]
     carried = any(p.grad is not None for p in params)
+    sharded = sharded_over_processes(model)
     for rollback in rollbacks:
         rollback.save()
     buffer_sync = DDPBufferSync(model)
@@ -120,7 +138,7 @@ def run_with_retries(
                 message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             # Past the except clause the traceback, and with it every tensor of the
             # failed attempt, is gone: only now can memory be given back.
-            check_rerunnable(progress, message, carried)
+            check_rerunnable(progress, message, carried, sharded)
             on_oom(progress, message)
             for p in params:
                 p.grad = None

@@ -96,3 +96,41 @@ def test_signals_refuse_fsdp2_sharded_parameters(tmp_path):
     (errors,) = run_distributed(_tracker_meets_sharded_parameters, 1, tmp_path)
     assert len(errors) == 2
     assert all("sharded by FSDP2" in e and "'0.weight'" in e for e in errors), errors
+
+
+def _oom_under_fsdp2(rank: int, world: int) -> list[str]:
+    """An out-of-memory error in the forward of an FSDP2-sharded model, on every rank at
+    once (so that no rank waits in a collective): each raises instead of re-running."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_triaccel.memory import ElasticBatchController, ElasticBatchError, NullProbe
+    from hf_triaccel.testing import oom
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(model)
+    calls = []
+
+    def loss_fn(piece):
+        calls.append(len(piece[0]))
+        out = model(piece[0])  # the parameters gathered: the OOM comes after the collective
+        if len(calls) == 1:
+            raise oom()
+        return torch.nn.functional.cross_entropy(out, piece[1])
+
+    controller = ElasticBatchController(4, probe=NullProbe())
+    batch = (torch.randn(4, 4), torch.tensor([0, 1, 0, 1]))
+    try:
+        controller.run_step(batch, loss_fn, model=model)
+    except ElasticBatchError as error:
+        return [str(error), str(calls)]
+    return ["re-run", str(calls)]
+
+
+@pytest.mark.timeout(120)
+def test_an_oom_under_fsdp2_is_not_re_run_by_one_process(tmp_path):
+    from hf_triaccel.testing import run_distributed
+
+    for message, calls in run_distributed(_oom_under_fsdp2, 2, tmp_path):
+        assert "under FSDP2" in message and "re-run by one process alone" in message, message
+        assert calls == "[4]"  # one attempt, no re-run
