@@ -22,7 +22,6 @@ from hf_triaccel.integrations.optimizers import OPTIMIZERS, adafisher_config
 from hf_triaccel.integrations.plugin import TriAccelPlugin, check_fsdp_features
 from hf_triaccel.optim.config import DEFAULT_LR, AdaFisherConfig
 
-_CONFIG = {f.name: f for f in dataclasses.fields(AdaFisherConfig)}
 # AdaFisherConfig field -> TriAccelArguments field
 CONFIG_NAMES = {
     "lr": "learning_rate",
@@ -51,16 +50,11 @@ STOCK_DEFAULT_LR: float = next(
 """transformers' default learning rate, the default of its own optimizers here too."""
 
 
-def _from_config(name: str) -> Any:
-    """A field with the default and help of ``AdaFisherConfig.<name>``."""
-    source = _CONFIG[name]
-    return field(default=source.default, metadata={"help": f"AdaFisher: {source.metadata['help']}"})
-
-
-def _from_plugin(name: str, note: str = "") -> Any:
-    """A field with the default and help of ``TriAccelPlugin.<name>`` (``note`` added)."""
+def _from_plugin(name: str, note: str = "", prefix: str = "") -> Any:
+    """A field with the default and help of ``TriAccelPlugin.<name>`` (an AdaFisherConfig
+    field for the optimizer's own), with ``prefix`` and ``note`` around the help."""
     source = _PLUGIN[name]
-    text = " ".join(filter(None, [source.metadata["help"], note]))
+    text = " ".join(filter(None, [prefix + source.metadata["help"], note]))
     return field(default=source.default, metadata={"help": text})
 
 
@@ -146,12 +140,12 @@ class TriAccelArguments(TrainingArguments):
             "costs throughput on small models."
         },
     )
-    adafisher_beta: float = _from_config("beta")
-    adafisher_damping: float = _from_config("damping")
-    adafisher_gamma: float = _from_config("gamma")
-    adafisher_update_every: int | None = _from_config("update_every")
-    adafisher_ema: str = _from_config("ema")
-    triaccel_impl: str | None = _from_config("impl")
+    adafisher_beta: float = _from_plugin("beta", prefix="AdaFisher: ")
+    adafisher_damping: float = _from_plugin("damping", prefix="AdaFisher: ")
+    adafisher_gamma: float = _from_plugin("gamma", prefix="AdaFisher: ")
+    adafisher_update_every: int | None = _from_plugin("update_every", prefix="AdaFisher: ")
+    adafisher_ema: str = _from_plugin("ema", prefix="AdaFisher: ")
+    triaccel_impl: str | None = _from_plugin("impl", prefix="AdaFisher: ")
     triaccel_precision: bool = _from_plugin("precision", _NEEDS_ADAFISHER)
     triaccel_signals_every: int = _from_plugin("signals_every")
     triaccel_fp32_fraction: float = _from_plugin("fp32_fraction")
