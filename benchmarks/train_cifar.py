@@ -143,7 +143,7 @@ def run(
     args.total_steps = args.epochs * len(train_loader)
     if args.max_steps is not None:
         args.total_steps = min(args.total_steps, args.max_steps)
-    bf16, step = args.precision != "fp32", args.total_steps
+    bf16 = args.precision != "fp32"
     harness.synchronize(device)
     train_start = time.perf_counter()
     # the adaptive controller's hooks open each decided module's own region inside autocast
@@ -151,7 +151,7 @@ def run(
         model,
         optimizer,
         train_loader,
-        total_steps=step,
+        total_steps=args.total_steps,
         lr=args.lr,
         bf16=bf16,
         label_smoothing=args.label_smoothing,
@@ -167,7 +167,7 @@ def run(
     eval_seconds = time.perf_counter() - eval_start
     if args.precision_map is not None:  # parse_args allows it for adaptive runs only
         args.precision_map.parent.mkdir(parents=True, exist_ok=True)
-        plot_precision_map(controllers[1].events, args.precision_map, last_step=step)
+        plot_precision_map(controllers[1].events, args.precision_map, last_step=args.total_steps)
 
     # the first epoch carries cuDNN autotuning and warm-up: leave it out when there are more
     timed = epochs[1:] if len(epochs) > 1 else epochs
@@ -175,7 +175,7 @@ def run(
     names = ("optimizer", "precision", "model", "lr", "weight_decay", "label_smoothing", "impl")
     names += ("batch_size", "layout", "channels_last", "seed", "data", "smoke")
     record = {name: getattr(args, name) for name in names}
-    record.update(epochs=len(epochs), steps=step, train_images=len(train_data))
+    record.update(epochs=len(epochs), steps=args.total_steps, train_images=len(train_data))
     record.update(test_images=len(test_data), test_accuracy=test_accuracy)
     record.update(final_train_loss=epochs[-1]["train_loss"], train_seconds=train_seconds)
     record.update(final_train_accuracy=epochs[-1]["train_accuracy"])
