@@ -7,7 +7,7 @@ both tall-skinny inputs (Linear: 512K rows, hundreds of columns) and short-wide 
 Each split writes its own row of a float32 partials buffer and a second small kernel
 adds the rows in a fixed order, so results are bitwise reproducible from run to run
 (no atomics). Whichever kernel produces the totals also applies the caller's epilogue
-(square, scale, write or add into a given buffer), so that a Fisher statistic is
+(scale, write or add into a given buffer), so that a Fisher statistic's sums are
 accumulated with no operation besides the one or two launches.
 
 :func:`fold_triton` folds every Fisher factor of a model in a single launch: one
@@ -15,7 +15,7 @@ program per factor, addressed through a device table of data pointers
 (:func:`fold_table`).
 
 Over 400 lines: the two reductions, their finishing pass, the epilogue they share and
-the launch geometry are one unit of about 430 lines, and the fold kernel, which consumes
+the launch geometry are one unit of about 400 lines, and the fold kernel, which consumes
 what they produce, stays beside them; every kernel keeps its launcher and checks next to
 it.
 """
@@ -50,12 +50,8 @@ _FOLD_NUM_WARPS = 16
 
 
 @triton.jit
-def _store_result(
-    out_ptr, offs, mask, total, scale, ACCUMULATE: tl.constexpr, SQUARE_RESULT: tl.constexpr
-):
-    """``out[offs] (+)= scale * total`` (``total**2`` when ``SQUARE_RESULT``), masked."""
-    if SQUARE_RESULT:
-        total = total * total
+def _store_result(out_ptr, offs, mask, total, scale, ACCUMULATE: tl.constexpr):
+    """``out[offs] (+)= scale * total``, masked."""
     total = total * scale
     if ACCUMULATE:
         total += tl.load(out_ptr + offs, mask=mask, other=0.0)
@@ -82,12 +78,11 @@ def _write_totals(
     scale,
     FINAL: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    SQUARE_RESULT: tl.constexpr,
 ):
     """A program's sums: through the epilogue into ``dst`` (n,) when ``FINAL``, else into
     row ``split`` of the (splits, n) partials buffer ``dst``."""
     if FINAL:
-        _store_result(dst_ptr, offs, mask, total, scale, ACCUMULATE, SQUARE_RESULT)
+        _store_result(dst_ptr, offs, mask, total, scale, ACCUMULATE)
     else:
         tl.store(dst_ptr + split * n + offs, total, mask=mask)
 
@@ -104,7 +99,6 @@ def _sum_rows_kernel(
     SQUARE: tl.constexpr,
     FINAL: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    SQUARE_RESULT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -131,9 +125,7 @@ def _sum_rows_kernel(
         ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
         acc += _load_term(ptrs, mask, SQUARE)
     total = tl.sum(acc, axis=0)
-    _write_totals(
-        dst_ptr, cols, col_mask, total, pid_s, n_cols, scale, FINAL, ACCUMULATE, SQUARE_RESULT
-    )
+    _write_totals(dst_ptr, cols, col_mask, total, pid_s, n_cols, scale, FINAL, ACCUMULATE)
 
 
 @triton.jit
@@ -151,7 +143,6 @@ def _channel_sum_kernel(
     SQUARE: tl.constexpr,
     FINAL: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    SQUARE_RESULT: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
@@ -179,9 +170,7 @@ def _channel_sum_kernel(
         ptrs = x_ptr + b.to(tl.int64) * stride_b + chan_off[:, None] + pos[None, :]
         acc += _load_term(ptrs, mask, SQUARE)
     total = tl.sum(acc, axis=1)
-    _write_totals(
-        dst_ptr, chans, chan_mask, total, pid_s, n_chan, scale, FINAL, ACCUMULATE, SQUARE_RESULT
-    )
+    _write_totals(dst_ptr, chans, chan_mask, total, pid_s, n_chan, scale, FINAL, ACCUMULATE)
 
 
 @triton.jit
@@ -192,12 +181,11 @@ def _finish_kernel(
     n_cols,
     scale,
     ACCUMULATE: tl.constexpr,
-    SQUARE_RESULT: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """``out[j] (+)= scale * sum_s part[s, j]`` (the sum squared when ``SQUARE_RESULT``)
-    for ``part`` (n_splits, n_cols), summed in a fixed order.
+    """``out[j] (+)= scale * sum_s part[s, j]`` for ``part`` (n_splits, n_cols), summed in a
+    fixed order.
 
     Grid: (column blocks,). Loads (BLOCK_S, BLOCK_N) tiles so that hundreds of splits
     cost a few loop steps rather than one dependent load each.
@@ -210,7 +198,7 @@ def _finish_kernel(
         mask = (splits < n_splits)[:, None] & col_mask[None, :]  # (BLOCK_S, BLOCK_N)
         acc += tl.load(part_ptr + splits[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
     total = tl.sum(acc, axis=0)
-    _store_result(out_ptr, cols, col_mask, total, scale, ACCUMULATE, SQUARE_RESULT)
+    _store_result(out_ptr, cols, col_mask, total, scale, ACCUMULATE)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -280,11 +268,7 @@ def _channel_sum_geometry(
 
 
 def _finish(
-    part: torch.Tensor,
-    out: torch.Tensor,
-    scale: float = 1.0,
-    accumulate: bool = False,
-    square_result: bool = False,
+    part: torch.Tensor, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False
 ) -> None:
     """Adds the rows of ``part`` (splits, n) and writes (or adds) the scaled total into
     ``out`` (n,)."""
@@ -298,22 +282,16 @@ def _finish(
         n,
         scale,
         ACCUMULATE=accumulate,
-        SQUARE_RESULT=square_result,
         BLOCK_S=block_s,
         BLOCK_N=block_n,
         num_warps=_NUM_WARPS,
     )
 
 
-def _flags(square: bool, final: bool, accumulate: bool, square_result: bool) -> dict[str, bool]:
+def _flags(square: bool, final: bool, accumulate: bool) -> dict[str, bool]:
     """A reduction kernel's constexpr flags: the epilogue runs in the kernel when its
     single split gives the totals, else in the finishing pass."""
-    return {
-        "SQUARE": square,
-        "FINAL": final,
-        "ACCUMULATE": accumulate and final,
-        "SQUARE_RESULT": square_result and final,
-    }
+    return {"SQUARE": square, "FINAL": final, "ACCUMULATE": accumulate and final}
 
 
 def _launch_sum_rows(
@@ -322,7 +300,6 @@ def _launch_sum_rows(
     out: torch.Tensor,
     scale: float,
     accumulate: bool,
-    square_result: bool,
 ) -> None:
     """Column sums of ``x`` (N, D) whose columns have unit stride, into ``out``; N, D >= 1."""
     n, d = x.shape
@@ -337,13 +314,13 @@ def _launch_sum_rows(
         x.stride(0),
         rows_per_split,
         scale,
-        **_flags(square, final, accumulate, square_result),
+        **_flags(square, final, accumulate),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=_NUM_WARPS,
     )
     if not final:
-        _finish(dst, out, scale, accumulate, square_result)
+        _finish(dst, out, scale, accumulate)
 
 
 def _launch_channel_sum(
@@ -352,7 +329,6 @@ def _launch_channel_sum(
     out: torch.Tensor,
     scale: float,
     accumulate: bool,
-    square_result: bool,
 ) -> None:
     """Per-channel sums of ``x`` (B, C, L) with unit stride along L, into ``out``;
     B, C, L >= 1."""
@@ -373,13 +349,13 @@ def _launch_channel_sum(
         items_per_split,
         n_items,
         scale,
-        **_flags(square, final, accumulate, square_result),
+        **_flags(square, final, accumulate),
         BLOCK_C=block_c,
         BLOCK_L=block_l,
         num_warps=_NUM_WARPS,
     )
     if not final:
-        _finish(dst, out, scale, accumulate, square_result)
+        _finish(dst, out, scale, accumulate)
 
 
 def _unit_stride(x: torch.Tensor, dim: int) -> bool:
@@ -413,23 +389,21 @@ def sum_rows_triton(
     out: torch.Tensor | None = None,
     scale: float = 1.0,
     accumulate: bool = False,
-    square_result: bool = False,
 ) -> torch.Tensor:
     """Column sums of ``x`` (N, D), of ``x * x`` when ``square``, as float32 (D,).
 
     ``x`` is read once in its own dtype. A transposed input (unit row stride) is summed
     as the channels of a (1, D, N) view instead of being copied. The epilogue runs in
-    the kernel: the sums are squared when ``square_result``, multiplied by ``scale``,
-    and written into ``out`` (or added to it when ``accumulate``), so that a caller
-    accumulating statistics needs no other operation.
+    the kernel: the sums are multiplied by ``scale`` and written into ``out`` (or added to
+    it when ``accumulate``), so that a caller accumulating statistics needs no other
+    operation.
 
     Args:
         x: (N, D) input, float32, bfloat16 or float16.
         square: sum ``x * x`` instead of ``x``.
         out: contiguous float32 (D,) destination; a new tensor when ``None``.
-        scale: factor applied to the (squared) sums.
+        scale: factor applied to the sums.
         accumulate: add into ``out`` instead of overwriting it.
-        square_result: square the sums before scaling.
 
     Returns:
         ``out``, or the new tensor.
@@ -443,11 +417,11 @@ def sum_rows_triton(
     if n == 0 or d == 0:
         return _empty_result(out, accumulate)
     if _unit_stride(x, 1):
-        _launch_sum_rows(x, square, out, scale, accumulate, square_result)
+        _launch_sum_rows(x, square, out, scale, accumulate)
     elif _unit_stride(x, 0):
-        _launch_channel_sum(x.t().unsqueeze(0), square, out, scale, accumulate, square_result)
+        _launch_channel_sum(x.t().unsqueeze(0), square, out, scale, accumulate)
     else:
-        _launch_sum_rows(x.contiguous(), square, out, scale, accumulate, square_result)
+        _launch_sum_rows(x.contiguous(), square, out, scale, accumulate)
     return out
 
 
@@ -458,7 +432,6 @@ def channel_sum_triton(
     out: torch.Tensor | None = None,
     scale: float = 1.0,
     accumulate: bool = False,
-    square_result: bool = False,
 ) -> torch.Tensor:
     """Per-channel sums of ``x`` (B, C, L) over dims 0 and 2, as float32 (C,).
 
@@ -474,15 +447,13 @@ def channel_sum_triton(
     if length == 1 or (x.stride(1) == 1 and not _unit_stride(x, 2)):
         # reshape stays a view for channels-last and L == 1; it copies only odd layouts
         rows = x.transpose(1, 2).reshape(b * length, c)
-        return sum_rows_triton(
-            rows, square, out=out, scale=scale, accumulate=accumulate, square_result=square_result
-        )
+        return sum_rows_triton(rows, square, out=out, scale=scale, accumulate=accumulate)
     out = _destination(out, c, x.device, accumulate)
     if b == 0 or c == 0 or length == 0:
         return _empty_result(out, accumulate)
     if not _unit_stride(x, 2):
         x = x.contiguous()
-    _launch_channel_sum(x, square, out, scale, accumulate, square_result)
+    _launch_channel_sum(x, square, out, scale, accumulate)
     return out
 
 

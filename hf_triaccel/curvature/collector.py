@@ -13,14 +13,15 @@ gets the slice of its factors that its local rows read
 (:mod:`~hf_triaccel.curvature.sharding`).
 
 A refresh step runs the hooks of every layer, so they are kept to the device work
-itself: each writes its statistic straight into a preallocated buffer of the layer
+itself: each writes its sums straight into a preallocated buffer of the layer
 (:class:`~hf_triaccel.curvature.layer.LayerFactors`) through its rule
 (:meth:`FisherRule.a_write` / :meth:`FisherRule.g_write`: for the built-in rules, one or
 two kernel launches and, for some layers, one more operation), with no allocation, host
 synchronisation or per-call shape arithmetic once a layer has seen its input shape.
-Whatever is linear in the micro-batches and the same for all of them (merging slots, the
-constant entries of ``a``, the averages, the loss scale) is left to
-:meth:`FisherCollector.fold`, once per refresh, in batched operations over all layers.
+Everything else is left to :meth:`FisherCollector.fold`, once per refresh, in batched
+operations over all layers: merging the micro-batches' sums, adding them over processes,
+the finish that makes statistics of them (means, squares of sums, constant entries:
+:mod:`~hf_triaccel.curvature.finish`) and the loss scale.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ import torch
 from torch import nn
 
 from hf_triaccel._types import EMA_MODES, ParamFactors
-from hf_triaccel.curvature.averaging import average_statistics
-from hf_triaccel.curvature.fold import FactorFold
+from hf_triaccel.curvature.averaging import DevicePlan, device_plan, finish_step
 from hf_triaccel.curvature.hooks import ActivationHook, OutputHook
 from hf_triaccel.curvature.layer import LayerFactors
 from hf_triaccel.curvature.rules import FisherRule, rule_for
@@ -103,7 +103,7 @@ class FisherCollector:
         self.generation = 0
         self.layers: dict[str, LayerFactors] = {}
         # the folds of each set of ready layers, valid for the generation they were made in
-        self._fold_cache: tuple[int, dict[tuple[str, ...], list[FactorFold]]] = (0, {})
+        self._fold_cache: tuple[int, dict[tuple[str, ...], list[DevicePlan]]] = (0, {})
         unknown = set(exclude) - {n for n, _ in model.named_modules()}
         if unknown:
             raise ValueError(f"exclude names modules the model does not have: {sorted(unknown)}")
@@ -130,34 +130,8 @@ class FisherCollector:
         if not owned:
             return
         taken.update(owned.values())
-        anchor = next(iter(owned))
-        device = owned[anchor].device
-        a_len, g_len = rule.sizes(module)
-        paper = self.ema == "paper"
-        # Factors start at ones. In paper mode only the normalised EMA is ever read,
-        # and min-max normalisation removes any constant, so the EMA is kept without
-        # the seed's share gamma^t: the same result, without float32 cancellation
-        # when the statistics are tiny next to 1.
-        seed = torch.zeros if paper else torch.ones
-        a_ema = seed(a_len, device=device)
-        g_ema = seed(g_len, device=device)
-        a_sum = torch.zeros(a_len, device=device)
-        layer = LayerFactors(
-            name=name,
-            module=module,
-            rule=rule,
-            layouts={k: layouts[k] for k in owned},
-            a_ema=a_ema,
-            g_ema=g_ema,
-            a=torch.ones_like(a_ema) if paper else a_ema,
-            g=torch.ones_like(g_ema) if paper else g_ema,
-            a_sum=a_sum,
-            g_sum=torch.zeros(g_len, device=device),
-            output_module=rule.output_module(module),
-            slots=[a_sum],
-            owners=[None],
-            anchor=anchor,
-        )
+        layouts = {k: layouts[k] for k in owned}
+        layer = LayerFactors.create(name, module, rule, layouts, self.ema == "paper")
         self.layers[name] = layer
 
     # -- hooks ----------------------------------------------------------------------
@@ -294,11 +268,12 @@ class FisherCollector:
     def fold(self, gamma: float) -> None:
         """Folds the statistics accumulated since the last fold into the factors.
 
-        Averages over micro-batches and, when ``torch.distributed`` runs several
+        Adds the sums over micro-batches and, when ``torch.distributed`` runs several
         processes, over them (one all-reduce per device of every sum and count; see
-        :mod:`~hf_triaccel.curvature.averaging`), removes a GradScaler's loss scale from
-        the gradient statistics, and resets the accumulators. Layers that saw no complete
-        forward/backward since the last fold keep their factors.
+        :mod:`~hf_triaccel.curvature.averaging`), finishes the statistics once from the
+        step's sums (:mod:`~hf_triaccel.curvature.finish`), removes a GradScaler's loss
+        scale from the gradient statistics, and resets the accumulators. Layers that saw
+        no complete forward/backward since the last fold keep their factors.
         """
         ready = [ly for ly in self.layers.values() if ly.a_count and ly.g_count]
         if ready:
@@ -307,33 +282,32 @@ class FisherCollector:
             ly.reset()
 
     def _fold_ready(self, ready: list[LayerFactors], gamma: float) -> None:
-        g_scale: torch.Tensor | float = average_statistics(ready)
+        plans = self._plans(ready)
+        g_scale: torch.Tensor | float = finish_step(ready, plans)
         scaler = self.grad_scaler
         if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
             g_scale = g_scale * scaler._scale.double().square().float()
         if not isinstance(g_scale, float) or g_scale != 1.0:
-            torch._foreach_div_([ly.g_sum for ly in ready], g_scale)
-        for fold in self._folds(ready):
-            fold(self.ema, gamma)
+            torch._foreach_div_([ly.g_stat for ly in ready], g_scale)
+        for plan in plans:
+            plan.fold(self.ema, gamma)
 
-    def _folds(self, ready: list[LayerFactors]) -> list[FactorFold]:
-        """One :class:`FactorFold` per device for the ``ready`` layers: the fold's one
-        cache, kept per set of ready layers (usually all of them) until a tensor moves."""
+    def _plans(self, ready: list[LayerFactors]) -> list[DevicePlan]:
+        """Per device, the ``ready`` layers, the finish of their statistics and their fold:
+        the fold's one cache, kept per set of ready layers (usually all of them) until a
+        tensor moves."""
         if self._fold_cache[0] != self.generation:
             self._fold_cache = (self.generation, {})
-        folds = self._fold_cache[1]
+        plans = self._fold_cache[1]
         key = tuple(ly.name for ly in ready)
-        if key not in folds:
-            by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
+        if key not in plans:
+            by_device: dict[torch.device, list[LayerFactors]] = {}
             for ly in ready:
-                emas, news, useds = by_device.setdefault(ly.a_ema.device, [[], [], []])
-                emas += (ly.a_ema, ly.g_ema)
-                news += (ly.a_sum, ly.g_sum)
-                useds += (ly.a, ly.g)
-            if len(folds) >= _MAX_FOLD_SETS:
-                del folds[next(iter(folds))]
-            folds[key] = [FactorFold(*lists, impl=self.impl) for lists in by_device.values()]
-        return folds[key]
+                by_device.setdefault(ly.a_ema.device, []).append(ly)
+            if len(plans) >= _MAX_FOLD_SETS:
+                del plans[next(iter(plans))]
+            plans[key] = [device_plan(layers, self.impl) for layers in by_device.values()]
+        return plans[key]
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Running factors by layer name (accumulators are not saved: a checkpoint is

@@ -1,7 +1,7 @@
 """The module hooks that take a layer's statistics, as small objects.
 
-:class:`ActivationHook` (a forward pre-hook) writes the activation statistic of a
-layer's input into a slot; :class:`OutputHook` (a forward hook on the layer, or on the
+:class:`ActivationHook` (a forward pre-hook) writes the activation sums of a layer's
+input into a slot; :class:`OutputHook` (a forward hook on the layer, or on the
 submodule whose output gradient the rule reads) pairs that slot with the gradient of
 the output, which confirms it. The
 :class:`~hf_triaccel.curvature.collector.FisherCollector` registers them before the
@@ -89,7 +89,7 @@ class _StatisticsHook:
 
 
 class ActivationHook(_StatisticsHook):
-    """Forward pre-hook: the activation statistic of the layer's input, in a new slot.
+    """Forward pre-hook: the activation sums of the layer's input, in a new slot.
 
     Example:
         >>> from hf_triaccel.curvature.collector import FisherCollector
@@ -114,7 +114,7 @@ class ActivationHook(_StatisticsHook):
 
 class OutputHook(_StatisticsHook):
     """Forward hook: registers, on the output, the gradient hook that confirms the
-    pending activation statistic and takes the gradient statistic.
+    pending activation sums and takes the gradient sums.
 
     The statistic counts only when the gradient arrives, so a forward that no backward
     follows (an evaluation pass with autograd on) leaves no trace.
@@ -135,8 +135,6 @@ class OutputHook(_StatisticsHook):
             layer.confirm(pending)
             if grad.requires_grad:  # a backward that builds a graph (create_graph)
                 grad = grad.detach()
-            accumulate = layer.g_count > 0
-            layer.rule.g_write(layer.module, grad, layer.g_sum, accumulate, impl, layer.cache)
-            layer.g_count += 1
+            layer.take_gradient(grad, impl)
 
         output.register_hook(grad_hook)

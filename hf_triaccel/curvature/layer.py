@@ -1,10 +1,12 @@
 """The factors of one hooked module and the statistics it gathers between two folds.
 
-The activation statistic of a forward waits in a *slot* until the gradient of that
-forward's output arrives (a forward that no backward follows must leave no trace); the
-first slot is the layer's ``a_sum`` itself, so with one micro-batch per optimizer step
-nothing is copied. :class:`~hf_triaccel.curvature.collector.FisherCollector` owns the
-layers and their hooks.
+Statistics are gathered as sums over samples (see :mod:`~hf_triaccel.curvature.finish`).
+The activation sums of a forward wait in a *slot* until the gradient of that forward's
+output arrives (a forward that no backward follows must leave no trace); for a rule whose
+sums become the statistic in place, the first slot is the layer's ``a_stat`` itself, so
+with one micro-batch per optimizer step nothing is copied. The gradient sums add up in
+``g_stat``. :class:`~hf_triaccel.curvature.collector.FisherCollector` owns the layers and
+their hooks.
 
 A layer copies and pickles with its factors and the statistics gathered so far; what
 belongs to live forwards (their pending records, the owners of the slots) and the rule's
@@ -22,21 +24,22 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hf_triaccel._types import FactorLayout
+from hf_triaccel.curvature.finish import Finish, FinishPlan
 from hf_triaccel.curvature.rules import FisherRule
 
 
 class PendingStatistic:
-    """One forward's activation statistic, from the forward until its gradient arrives.
+    """One forward's activation sums, from the forward until its gradient arrives.
 
     The layer keeps only a weak reference: once the autograd graph that would have
     delivered the gradient is gone, so is this record, and its slot is free again.
     """
 
-    __slots__ = ("slot", "last", "__weakref__")
+    __slots__ = ("slot", "count", "__weakref__")
 
-    def __init__(self, slot: int, last: float | None) -> None:
+    def __init__(self, slot: int, count: float) -> None:
         self.slot = slot
-        self.last = last  # the value of a's last entry, left to the fold (None: none)
+        self.count = count  # the samples (or rows) the sums ran over
 
 
 @dataclass
@@ -44,13 +47,14 @@ class LayerFactors:
     """Factors of one module.
 
     ``a`` and ``g`` are what the preconditioner reads; ``a_ema`` / ``g_ema`` the
-    running averages (the same tensors in ``ema="reference"`` mode). ``a_sum`` /
-    ``g_sum`` are where the statistics of the current optimizer step are gathered over
-    its micro-batches; complete only inside the collector's fold (read
-    :meth:`accumulated` in between). ``a_count`` / ``g_count`` count the micro-batches.
-    ``output_module`` is where the output gradient is taken (the module itself, or a
-    submodule before a fused activation); ``pending_a`` holds the records of forwards
-    whose output hook has not run yet.
+    running averages (the same tensors in ``ema="reference"`` mode). ``a_stat`` /
+    ``g_stat`` hold the current optimizer step's statistics, finished inside the
+    collector's fold from the sums gathered over its micro-batches (read
+    :meth:`statistics` in between); ``a_finish`` / ``g_finish`` say how. ``a_count`` /
+    ``g_count`` count the micro-batches, ``a_n`` / ``g_n`` the samples (or rows) their
+    sums ran over. ``output_module`` is where the output gradient is taken (the module
+    itself, or a submodule before a fused activation); ``pending_a`` holds the records of
+    forwards whose output hook has not run yet.
 
     Example:
         >>> from hf_triaccel.curvature.collector import FisherCollector
@@ -67,47 +71,95 @@ class LayerFactors:
     g_ema: torch.Tensor
     a: torch.Tensor
     g: torch.Tensor
-    a_sum: torch.Tensor
-    g_sum: torch.Tensor
+    a_stat: torch.Tensor
+    g_stat: torch.Tensor
+    a_finish: Finish
+    g_finish: Finish
     output_module: nn.Module | None = None
     a_count: int = 0
     g_count: int = 0
+    a_n: float = 0.0
+    g_n: float = 0.0
     pending_a: list[PendingStatistic] = field(default_factory=list)
     handles: list[RemovableHandle] = field(default_factory=list)
-    # Activation statistics of forwards: slot 0 is a_sum itself, more are allocated when
-    # several forwards await their gradient, or several micro-batches are gathered.
+    # Activation sums of forwards: slot 0 is where they are merged (a_stat itself when the
+    # finish is in place); more are allocated when several forwards await their gradient,
+    # or several micro-batches are gathered.
     slots: list[torch.Tensor] = field(default_factory=list)
     owners: list[weakref.ref | None] = field(default_factory=list)
     confirmed: list[int] = field(default_factory=list)  # slots whose gradient arrived
-    last_sum: float = 0.0  # sum over confirmed micro-batches of a's last entry
-    has_last: bool = False  # the rule leaves a's last entry to the fold
-    last_written: float | None = None  # the value a_sum's last entry holds now
     anchor: str = ""  # an owned parameter's name: where it is, the factors must be
     cache: dict[Any, Any] = field(default_factory=dict)  # the rule's per-shape plans
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        module: nn.Module,
+        rule: FisherRule,
+        layouts: dict[str, FactorLayout],
+        paper: bool,
+    ) -> LayerFactors:
+        """The factors of ``module`` for the parameters of ``layouts``, where its first
+        one is, with the running factors of ``ema="paper"`` when ``paper``."""
+        anchor = next(iter(layouts))
+        device = getattr(module, anchor).device
+        a_len, g_len = rule.sizes(module)
+        # Factors start at ones. In paper mode only the normalised EMA is ever read,
+        # and min-max normalisation removes any constant, so the EMA is kept without
+        # the seed's share gamma^t: the same result, without float32 cancellation
+        # when the statistics are tiny next to 1.
+        seed = torch.zeros if paper else torch.ones
+        a_ema, g_ema = seed(a_len, device=device), seed(g_len, device=device)
+        a_finish, g_finish = rule.a_finish(module), rule.g_finish(module)
+        if not g_finish.in_place:
+            raise ValueError(f"{type(rule).__name__}.g_finish must keep the sums' length")
+        a_stat = torch.zeros(a_len, device=device)
+        sums = a_stat
+        if not a_finish.in_place:
+            sums = torch.zeros(a_finish.sums_length(a_len), device=device)
+        return cls(
+            name=name,
+            module=module,
+            rule=rule,
+            layouts=layouts,
+            a_ema=a_ema,
+            g_ema=g_ema,
+            a=torch.ones_like(a_ema) if paper else a_ema,
+            g=torch.ones_like(g_ema) if paper else g_ema,
+            a_stat=a_stat,
+            g_stat=torch.zeros(g_len, device=device),
+            a_finish=a_finish,
+            g_finish=g_finish,
+            output_module=rule.output_module(module),
+            slots=[sums],
+            owners=[None],
+            anchor=anchor,
+        )
 
     @property
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.a_ema, self.g_ema, self.a, self.g, self.a_sum, self.g_sum]
+        return [self.a_ema, self.g_ema, self.a, self.g, self.a_stat, self.g_stat]
 
     def follow(self, device: torch.device) -> bool:
         """Moves the layer's tensors to ``device`` (where its module now computes), in
         place so that every view and reference follows; returns whether they moved."""
-        if self.a_sum.device == device:
+        if self.a_stat.device == device:
             return False
-        for t in {id(t): t for t in self.tensors() + self.slots[1:]}.values():
+        for t in {id(t): t for t in self.tensors() + self.slots}.values():
             t.data = t.data.to(device)
         self.cache.clear()  # cached views and scratch buffers belong to the old storage
         return True
 
     def take_activation(self, module: nn.Module, x: torch.Tensor, impl: str | None) -> None:
-        """Writes the activation statistic of input ``x`` into a free slot, pending until
-        the gradient of this forward's output confirms it."""
+        """Writes the activation sums of input ``x`` into a free slot, pending until the
+        gradient of this forward's output confirms them."""
         slot = self.free_slot()
-        last = self.rule.a_write(module, x, self.slots[slot], impl, self.cache)
-        pending = PendingStatistic(slot, last)
+        count = self.rule.a_write(module, x, self.slots[slot], impl, self.cache)
+        pending = PendingStatistic(slot, count)
         self.owners[slot] = weakref.ref(pending)
         self.pending_a.append(pending)
 
@@ -116,28 +168,44 @@ class LayerFactors:
         for i, owner in enumerate(self.owners):
             if (owner is None or owner() is None) and i not in self.confirmed:
                 return i
-        self.slots.append(torch.zeros_like(self.a_sum))
+        self.slots.append(torch.zeros_like(self.slots[0]))
         self.owners.append(None)
         return len(self.slots) - 1
 
     def confirm(self, pending: PendingStatistic) -> None:
         """Counts a forward whose output gradient arrived."""
         self.confirmed.append(pending.slot)
-        if pending.last is not None:
-            self.last_sum += pending.last
-            self.has_last = True
         self.a_count += 1
+        self.a_n += pending.count
 
-    def accumulated(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sums over the micro-batches since the last fold of the ``a`` and ``g``
-        statistics (new tensors; zeros before any). For inspection: the fold does not
-        need them materialised."""
-        a = torch.zeros_like(self.a_sum)
+    def take_gradient(self, grad: torch.Tensor, impl: str | None) -> None:
+        """Adds the gradient sums of one output gradient to ``g_stat``."""
+        accumulate = self.g_count > 0
+        self.g_n += self.rule.g_write(self.module, grad, self.g_stat, accumulate, impl, self.cache)
+        self.g_count += 1
+
+    def statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``a`` and ``g`` statistics of the micro-batches gathered since the last
+        fold, finished as a fold in this process would finish them (new tensors; zeros
+        before any). For inspection: the fold does not need them materialised.
+
+        Example:
+            >>> from hf_triaccel.curvature.collector import FisherCollector
+            >>> lin = nn.Linear(1, 1, bias=False)
+            >>> layer = FisherCollector(lin).layers[""]
+            >>> for x in ([[1.0]], [[2.0], [3.0]]):  # two micro-batches: 1 and 2 samples
+            ...     lin(torch.tensor(x)).sum().backward()
+            >>> layer.statistics()  # a = (1 + 4 + 9) / 3, g = 1
+            (tensor([4.6667]), tensor([1.]))
+        """
+        sums = torch.zeros_like(self.slots[0])
         for i in self.confirmed:
-            a += self.slots[i]
-        if self.has_last:
-            a[-1] = self.last_sum
-        g = self.g_sum.clone() if self.g_count else torch.zeros_like(self.g_sum)
+            sums += self.slots[i]
+        g = self.g_stat.clone() if self.g_count else torch.zeros_like(self.g_stat)
+        a = sums if self.a_finish.in_place else torch.zeros_like(self.a_stat)
+        if not self.a_count:
+            return a, g
+        FinishPlan([(self.a_finish, sums, a), (self.g_finish, g, g)])([self.a_n, self.g_n])
         return a, g
 
     def __getstate__(self) -> dict[str, Any]:
@@ -152,7 +220,6 @@ class LayerFactors:
         """Forgets the statistics gathered since the last fold (slots of forwards still
         waiting for their gradient stay reserved)."""
         self.a_count = self.g_count = 0
+        self.a_n = self.g_n = 0.0
         self.confirmed.clear()
-        self.last_sum = 0.0
-        self.has_last = False
         self.pending_a.clear()

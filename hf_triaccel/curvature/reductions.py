@@ -5,10 +5,11 @@ float32 sums. The reference versions here are plain PyTorch; the Triton versions
 (``hf_triaccel.kernels.stats``) read the native dtype once and accumulate in float32.
 Both are selected through :func:`hf_triaccel.dispatch.resolve_impl`.
 
-Both take the same epilogue: the sums may be squared (``square_result``), scaled
-(``scale``) and written into, or added to (``accumulate``), a caller's float32 buffer
-(``out``). The Triton versions do this inside the kernel, so that a statistic hook
-accumulating into a preallocated buffer costs one or two launches and nothing else.
+Both take the same epilogue: the sums may be scaled (``scale``) and written into, or added
+to (``accumulate``), a caller's float32 buffer (``out``). The Triton versions do this
+inside the kernel, so that a statistic hook accumulating into a preallocated buffer costs
+one or two launches and nothing else. (What is not linear in the samples, such as the
+square of a sum, waits for the step's sums: :mod:`hf_triaccel.curvature.finish`.)
 """
 
 from __future__ import annotations
@@ -30,14 +31,11 @@ def _reference_sums(
     out: torch.Tensor | None,
     scale: float,
     accumulate: bool,
-    square_result: bool,
 ) -> torch.Tensor:
     """Sums of ``x`` (of ``x * x`` when ``square``) over ``dims`` in float32, through the
     shared epilogue."""
     x = x.float()
     sums = (x * x).sum(dims) if square else x.sum(dims)
-    if square_result:
-        sums = sums * sums
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs an out tensor to add to")
@@ -55,13 +53,12 @@ def sum_rows_reference(
     out: torch.Tensor | None = None,
     scale: float = 1.0,
     accumulate: bool = False,
-    square_result: bool = False,
 ) -> torch.Tensor:
     """Sum over rows of a 2-D tensor (x^2 if ``square``): (N, D) -> (D,) float32.
 
     The keyword arguments are those of :func:`sum_rows`.
     """
-    return _reference_sums(x, 0, square, out, scale, accumulate, square_result)
+    return _reference_sums(x, 0, square, out, scale, accumulate)
 
 
 def channel_sum_reference(
@@ -71,13 +68,12 @@ def channel_sum_reference(
     out: torch.Tensor | None = None,
     scale: float = 1.0,
     accumulate: bool = False,
-    square_result: bool = False,
 ) -> torch.Tensor:
     """Sum over dims 0 and 2 of a 3-D tensor (x^2 if ``square``): (B, C, L) -> (C,) float32.
 
     The keyword arguments are those of :func:`sum_rows`.
     """
-    return _reference_sums(x, (0, 2), square, out, scale, accumulate, square_result)
+    return _reference_sums(x, (0, 2), square, out, scale, accumulate)
 
 
 def reductions_for(impl: str | None, device: torch.device) -> tuple[Reduction, Reduction]:
@@ -106,7 +102,6 @@ def sum_rows(
     out: torch.Tensor | None = None,
     scale: float = 1.0,
     accumulate: bool = False,
-    square_result: bool = False,
 ) -> torch.Tensor:
     """Column sums of ``x`` (N, D), of its squares when ``square``, in float32.
 
@@ -115,13 +110,12 @@ def sum_rows(
         square: sum ``x * x`` instead of ``x``.
         impl: implementation (see :mod:`hf_triaccel.dispatch`).
         out: contiguous float32 (D,) destination; a new tensor when ``None``.
-        scale: factor applied to the (squared) sums.
+        scale: factor applied to the sums.
         accumulate: add into ``out`` instead of overwriting it.
-        square_result: square the sums before scaling.
 
     Returns:
-        ``out`` or the new tensor: ``scale * sums`` (``scale * sums**2`` with
-        ``square_result``), plus the previous ``out`` when ``accumulate``.
+        ``out`` or the new tensor: ``scale * sums``, plus the previous ``out`` when
+        ``accumulate``.
 
     Example:
         >>> sum_rows(torch.ones(4, 3), square=True, impl="reference")
@@ -130,7 +124,7 @@ def sum_rows(
     if x.dim() != 2:
         raise ValueError(f"sum_rows expects a 2-D tensor, got shape {tuple(x.shape)}")
     rows, _ = reductions_for(impl, x.device)
-    return rows(x, square, out=out, scale=scale, accumulate=accumulate, square_result=square_result)
+    return rows(x, square, out=out, scale=scale, accumulate=accumulate)
 
 
 def channel_sum(
@@ -141,7 +135,6 @@ def channel_sum(
     out: torch.Tensor | None = None,
     scale: float = 1.0,
     accumulate: bool = False,
-    square_result: bool = False,
 ) -> torch.Tensor:
     """Per-channel sums of ``x`` (B, C, L) over batch and positions, in float32.
 
@@ -154,6 +147,4 @@ def channel_sum(
     if x.dim() != 3:
         raise ValueError(f"channel_sum expects a 3-D tensor, got shape {tuple(x.shape)}")
     _, channels = reductions_for(impl, x.device)
-    return channels(
-        x, square, out=out, scale=scale, accumulate=accumulate, square_result=square_result
-    )
+    return channels(x, square, out=out, scale=scale, accumulate=accumulate)

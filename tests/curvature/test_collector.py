@@ -16,7 +16,15 @@ from torch import nn
 from hf_triaccel import AdaFisherW
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.fold import minmax_normalise
-from hf_triaccel.curvature.rules import FisherRule, LinearRule, register_fisher_rule, rule_for
+from hf_triaccel.curvature.rules import (
+    FisherRule,
+    LinearRule,
+    a_statistic,
+    g_statistic,
+    register_fisher_rule,
+    rule_for,
+)
+from tests.curvature.rounding import Recorder
 
 GAMMA = 0.8
 
@@ -78,7 +86,7 @@ def test_statistics_only_while_collecting():
     forward_backward(model, torch.randn(4, 5))
     for layer in collector.layers.values():
         assert layer.a_count == layer.g_count == 0
-        assert not any(t.any() for t in layer.accumulated())
+        assert not any(t.any() for t in layer.statistics())
     collector.fold(GAMMA)  # nothing seen: factors keep their seed
     for layer in collector.layers.values():
         assert torch.equal(layer.a, torch.ones_like(layer.a))
@@ -100,8 +108,8 @@ def test_no_grad_and_inference_forward_do_not_accumulate():
         model(torch.randn(4, 5))
     for layer in collector.layers.values():
         assert layer.a_count == layer.g_count == 0
-        assert not layer.a_sum.any()  # not even written
-        assert not any(t.any() for t in layer.accumulated())
+        assert not layer.a_stat.any()  # not even written
+        assert not any(t.any() for t in layer.statistics())
 
 
 def test_forward_without_backward_does_not_skew_the_next_fold():
@@ -125,19 +133,20 @@ def test_forward_without_backward_does_not_skew_the_next_fold():
 
 
 @pytest.mark.parametrize("ema", ["reference", "paper"])
-def test_micro_batches_are_averaged_then_folded_once(ema):
+def test_micro_batches_are_summed_then_finished_and_folded_once(ema):
     model = mlp()
     collector = FisherCollector(model, ema=ema, impl="reference")
-    x1, x2 = torch.randn(4, 5), torch.randn(4, 5)
+    x1, x2 = torch.randn(3, 5), torch.randn(5, 5)
     w1 = forward_backward(model, x1)
     w2 = forward_backward(model, x2)
-    o1, o2 = mlp_oracle(model, x1, w1), mlp_oracle(model, x2, w2)
-    mean = {n: ((o1[n][0] + o2[n][0]) / 2, (o1[n][1] + o2[n][1]) / 2) for n in o1}
+    # the statistics of the whole batch of 8 (the loss is a sum: the same output gradients)
+    mean = mlp_oracle(model, torch.cat([x1, x2]), torch.cat([w1, w2]))
     for name, layer in collector.layers.items():
         assert layer.a_count == layer.g_count == 2
-        a_sum, g_sum = layer.accumulated()
-        torch.testing.assert_close(a_sum.double() / 2, mean[name][0])
-        torch.testing.assert_close(g_sum.double() / 2, mean[name][1])
+        assert layer.a_n == layer.g_n == 8
+        a, g = layer.statistics()
+        torch.testing.assert_close(a.double(), mean[name][0])
+        torch.testing.assert_close(g.double(), mean[name][1])
     before = {n: (ly.a_ema.double(), ly.g_ema.double()) for n, ly in collector.layers.items()}
     collector.fold(GAMMA)
     for name, layer in collector.layers.items():
@@ -153,7 +162,7 @@ def test_micro_batches_are_averaged_then_folded_once(ema):
                 torch.testing.assert_close(ema_t.double(), expected)
                 torch.testing.assert_close(used, minmax_normalise(ema_t))
         assert layer.a_count == layer.g_count == 0
-        assert not any(t.any() for t in layer.accumulated())
+        assert not any(t.any() for t in layer.statistics())
     # a fold with nothing new keeps the factors (no second EMA step)
     after = {
         n: [t.clone() for t in (ly.a, ly.g, ly.a_ema, ly.g_ema)]
@@ -175,8 +184,8 @@ def test_a_module_called_twice_in_one_graph_counts_twice():
     layer = collector.layers[""]
     assert layer.a_count == layer.g_count == 2
     expected = (x.square().mean(0) + h.detach().square().mean(0)) / 2
-    torch.testing.assert_close(layer.accumulated()[0][:4] / 2, expected)
-    assert layer.accumulated()[0][4] == 2.0  # the bias column: one per micro-batch
+    torch.testing.assert_close(layer.statistics()[0][:4], expected)
+    assert layer.statistics()[0][4] == 1.0  # the bias column
 
 
 def test_a_held_evaluation_output_keeps_its_slot():
@@ -201,44 +210,34 @@ def test_a_held_evaluation_output_keeps_its_slot():
     assert layer.free_slot() == 0
 
 
-def _single_statistics(model: nn.Module, batches) -> list[dict[str, tuple]]:
-    """Each micro-batch's (a, g) per layer, from a collector on a copy that sees only it."""
-    out = []
-    for x, w in batches:
-        twin = copy.deepcopy(model)
-        probe = FisherCollector(twin, impl="reference")
-        forward_backward(twin, x, w)
-        out.append({name: ly.accumulated() for name, ly in probe.layers.items()})
-        probe.remove()
-    return out
-
-
 def test_micro_batches_of_several_sizes_and_refreshes():
-    """Statistics of micro-batches of different sizes are averaged as statistics
-    (the constant entries included), refresh after refresh, whatever the last one was."""
+    """Micro-batches of different sizes give the statistics of their samples taken
+    together (the constant entries included), refresh after refresh, whatever the last
+    one was: each layer's statistic is the rule's statistic of every input and output
+    gradient it saw since the last fold, concatenated."""
     torch.manual_seed(1)
     model = ResidualNet(inplace=True)
-    template = copy.deepcopy(model)
     collector = FisherCollector(model, ema="paper", impl="reference")
+    recorder = Recorder(collector)
 
     def batch(n):
         return torch.randn(n, 3, 6, 6), torch.randn(n, 2)
 
     for sizes in ((2, 3, 2), (4,), (4,), (2,), (3, 1)):
-        batches = [batch(n) for n in sizes]
-        singles = _single_statistics(template, batches)
-        for x, w in batches:
+        for x, w in [batch(n) for n in sizes]:
             forward_backward(model, x, w)
+        seen, bounds = recorder.seen, recorder.bounds()
         before = {name: ly.g_ema.clone() for name, ly in collector.layers.items()}
         collector.fold(GAMMA)
         for name, ly in collector.layers.items():
-            mean_a = sum(s[name][0] for s in singles) / len(sizes)
-            mean_g = sum(s[name][1] for s in singles) / len(sizes)
-            torch.testing.assert_close(ly.a_sum, mean_a, msg=f"{name} after {sizes}")
-            torch.testing.assert_close(ly.g_sum, mean_g, msg=f"{name} after {sizes}")
-            torch.testing.assert_close(ly.g_ema, GAMMA * before[name] + (1 - GAMMA) * mean_g)
-        # the weights do not change here, but BatchNorm's running statistics do
-        template.load_state_dict(model.state_dict())
+            x, dy = seen[name]
+            da, dg = bounds[name]
+            a = a_statistic(ly.rule, ly.module, x)
+            g = g_statistic(ly.rule, ly.module, dy)
+            msg = f"{name} after {sizes}"
+            torch.testing.assert_close(ly.a_stat, a, rtol=0, atol=da, msg=msg)
+            torch.testing.assert_close(ly.g_stat, g, rtol=0, atol=dg, msg=msg)
+            torch.testing.assert_close(ly.g_ema, GAMMA * before[name] + (1 - GAMMA) * ly.g_stat)
 
 
 def test_reset_forgets_the_gathered_statistics():
@@ -254,7 +253,7 @@ def test_reset_forgets_the_gathered_statistics():
     forward_backward(twin, x, w)
     for name, layer in collector.layers.items():
         assert layer.a_count == layer.g_count == 1
-        for got, want in zip(layer.accumulated(), plain.layers[name].accumulated(), strict=True):
+        for got, want in zip(layer.statistics(), plain.layers[name].statistics(), strict=True):
             torch.testing.assert_close(got, want)
 
 
@@ -274,7 +273,7 @@ def test_triton_statistics_match_the_reference(channels_last):
         w = forward_backward(model, x)
         forward_backward(twin, x, w)
     for name, layer in fast.layers.items():
-        for got, want in zip(layer.accumulated(), plain.layers[name].accumulated(), strict=True):
+        for got, want in zip(layer.statistics(), plain.layers[name].statistics(), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
     fast.fold(GAMMA)
     plain.fold(GAMMA)
@@ -326,8 +325,8 @@ def test_inplace_relu_after_a_hooked_layer():
     forward_backward(twin, x, w)
     oracle = mlp_oracle(twin, x, w)
     for name in ("0", "2"):
-        a1, g1 = c1.layers[name].accumulated()
-        a2, g2 = c2.layers[name].accumulated()
+        a1, g1 = c1.layers[name].statistics()
+        a2, g2 = c2.layers[name].statistics()
         torch.testing.assert_close(a1, a2)
         torch.testing.assert_close(g1, g2)
         torch.testing.assert_close(a1.double(), oracle[name][0])
@@ -374,7 +373,7 @@ def test_inplace_residual_add_gives_the_out_of_place_statistics():
     assert set(c1.layers) == {"stem", "bn0", "conv1", "bn1", "conv2", "bn2", "head"}
     for name, layer in c1.layers.items():
         assert layer.a_count == layer.g_count == 1, name
-        for t1, t2 in zip(layer.accumulated(), c2.layers[name].accumulated(), strict=True):
+        for t1, t2 in zip(layer.statistics(), c2.layers[name].statistics(), strict=True):
             torch.testing.assert_close(t1, t2)
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)
@@ -582,7 +581,7 @@ def test_tied_parameter_is_assigned_once():
     assert collector.layers["emb"].a_count == collector.layers["emb"].g_count == 1
     # a_v: share of the tokens that are v
     counts = torch.bincount(idx.reshape(-1), minlength=10).float() / idx.numel()
-    torch.testing.assert_close(collector.layers["emb"].accumulated()[0], counts)
+    torch.testing.assert_close(collector.layers["emb"].statistics()[0], counts)
 
 
 class WithExtra(nn.Module):
@@ -612,7 +611,7 @@ def test_parameters_are_matched_by_identity():
             assert f.layout == rule_for(mod).layouts(mod)[attr]
     assert collector.factors_for(model.l2.bias).layout.a_off == 6
     forward_backward(model, torch.randn(3, 5))
-    assert collector.layers["l2"].accumulated()[0].shape == (7,)
+    assert collector.layers["l2"].statistics()[0].shape == (7,)
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -626,7 +625,7 @@ def test_low_precision_activations_give_float32_statistics(dtype):
     out = model(x)
     (out.float() * 300).sum().backward()
     layer = collector.layers["0"]
-    a_sum, g_sum = layer.accumulated()
+    a_sum, g_sum = layer.statistics()
     assert a_sum.dtype == torch.float32 and g_sum.dtype == torch.float32
     assert torch.isfinite(a_sum).all() and torch.isfinite(g_sum).all()
     expected = x.double().square().mean(0)
@@ -644,8 +643,8 @@ def test_autocast_bf16_statistics_are_float32():
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     for layer in collector.layers.values():
-        assert layer.g_sum.dtype == torch.float32 and layer.g_count == 1
-        assert layer.a_sum.dtype == torch.float32
+        assert layer.g_stat.dtype == torch.float32 and layer.g_count == 1
+        assert layer.a_stat.dtype == torch.float32
 
 
 # --------------------------------------------------------------------------- GradScaler
@@ -658,7 +657,7 @@ def test_grad_scaler_scale_is_removed(ema):
     x, w = torch.randn(4, 5), torch.randn(4, 3) * 1e-4  # small grads: the scale matters
     plain = FisherCollector(twin, ema=ema, impl="reference")
     forward_backward(twin, x, w)
-    plain_g_sum = plain.layers["2"].accumulated()[1]
+    plain_g_sum = plain.layers["2"].statistics()[1]
     plain.fold(GAMMA)
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
@@ -666,7 +665,7 @@ def test_grad_scaler_scale_is_removed(ema):
     scaled = FisherCollector(model, ema=ema, impl="reference")
     scaled.grad_scaler = scaler
     scaler.scale((model(x) * w).sum()).backward()
-    g_sum = scaled.layers["2"].accumulated()[1]
+    g_sum = scaled.layers["2"].statistics()[1]
     torch.testing.assert_close(g_sum / 2.0**24, plain_g_sum, rtol=1e-5, atol=0)
     scaled.fold(GAMMA)
     for name, layer in scaled.layers.items():
@@ -782,11 +781,13 @@ def test_registered_rule_for_a_custom_module():
             return {"weight": per_entry_layout(3, 0)}
 
         def a_write(self, module, x, out, impl, cache):
-            out.copy_(x.float().square().mean().reshape(1))
+            out.copy_(x.float().square().sum().reshape(1))
+            return x.numel()
 
         def g_write(self, module, grad, out, accumulate, impl, cache):
-            stat = grad.float().square().mean(0)
+            stat = grad.float().square().sum(0)
             out.add_(stat) if accumulate else out.copy_(stat)
+            return grad.shape[0]
 
     model = nn.Sequential(nn.Linear(3, 3), Scale())
     assert rule_for(model[1]) is None

@@ -30,7 +30,7 @@ def statistics(model: nn.Module, loss_of) -> tuple[FisherCollector, dict]:
     collector = FisherCollector(model, impl="reference")
     loss_of(model).backward()
     out = {
-        name: (*layer.accumulated(), layer.a_count, layer.g_count, len(layer.slots))
+        name: (*layer.statistics(), layer.a_count, layer.g_count, len(layer.slots))
         for name, layer in collector.layers.items()
     }
     collector.detach()

@@ -18,6 +18,7 @@ from torch import nn
 
 from hf_triaccel._types import ParamFactors
 from hf_triaccel.curvature.collector import FisherCollector
+from hf_triaccel.curvature.finish import Mean
 from hf_triaccel.curvature.rules import (
     ChannelNormRule,
     ConvRule,
@@ -314,25 +315,27 @@ def test_conv_a_per_dim_gather_takes_a_permuted_einsum_result(monkeypatch):
 
 
 def test_fast_path_reuses_its_cache_and_leaves_the_last_entry():
-    """a_write / g_write: the statistic into a given buffer, the bias entry returned, the
-    gradient statistic written then accumulated; a second call reuses the cached plan."""
+    """a_write / g_write: the sums into a given buffer, the count returned, the bias entry
+    left to the finish, the gradient sums written then accumulated; a second call reuses
+    the cached plan."""
     torch.manual_seed(19)
     rule, conv = rule_for(nn.Conv2d(3, 4, 3)), nn.Conv2d(3, 4, 3, padding=1)
     x, grad = torch.randn(2, 3, 5, 5), torch.randn(2, 4, 5, 5)
     cache: dict = {}
     out = torch.full((28,), -1.0)
-    last = rule.a_write(conv, x, out, "reference", cache)
-    assert last == pytest.approx(1 / 27) and out[-1] == -1.0  # groups / D, left to the caller
-    close(out[:-1], conv_oracle(conv, x)[:-1])
+    rows = rule.a_write(conv, x, out, "reference", cache)
+    assert rows == 2 * 25 and out[-1] == -1.0  # B L rows; the bias entry is the finish's
+    assert rule.a_finish(conv) == Mean(scale=1 / 27, last=1 / 27)  # 1 / D, groups / D
+    close(out[:-1] / (rows * 27), conv_oracle(conv, x)[:-1])
     n_plans = len(cache)
     rule.a_write(conv, x * 2, out, "reference", cache)
     assert len(cache) == n_plans
-    close(out[:-1], conv_oracle(conv, x * 2)[:-1])
+    close(out[:-1] / (rows * 27), conv_oracle(conv, x * 2)[:-1])
     g = torch.full((4,), 5.0)
-    rule.g_write(conv, grad, g, False, "reference", cache)
-    close(g, conv_g_oracle(grad))
+    assert rule.g_write(conv, grad, g, False, "reference", cache) == 2 * 25
+    close(g / 50, conv_g_oracle(grad))
     rule.g_write(conv, grad, g, True, "reference", cache)
-    close(g, 2 * conv_g_oracle(grad))
+    close(g / 50, 2 * conv_g_oracle(grad))
 
 
 def test_a_subclass_overriding_a_statistic_is_what_the_collector_takes():
@@ -341,9 +344,9 @@ def test_a_subclass_overriding_a_statistic_is_what_the_collector_takes():
 
     class HalfLinearRule(LinearRule):
         def a_write(self, module, x, out, impl, cache):
-            last = super().a_write(module, x, out, impl, cache)
+            rows = super().a_write(module, x, out, impl, cache)
             out.div_(2)
-            return last / 2
+            return rows
 
     class Half(nn.Linear):
         pass
@@ -353,8 +356,9 @@ def test_a_subclass_overriding_a_statistic_is_what_the_collector_takes():
     x, grad = torch.randn(4, 3), torch.randn(4, 2)
     collector = FisherCollector(lin, impl="reference")
     lin(x).backward(grad)
-    a, g = collector.layers[""].accumulated()
-    close(a, a_statistic(LinearRule(), lin, x, "reference") / 2)
+    a, g = collector.layers[""].statistics()
+    close(a[:-1], a_statistic(LinearRule(), lin, x, "reference")[:-1] / 2)
+    assert a[-1] == 1.0  # the bias entry: the finish's constant
     close(g, g_statistic(LinearRule(), lin, grad, "reference"))
     collector.remove()
 
@@ -375,9 +379,9 @@ def test_statistics_under_autocast_are_float32(per_dim, monkeypatch):
         h = model[0](x)
         out = model[1](h)
     out.float().square().sum().backward()
-    conv_a, _ = collector.layers["0"].accumulated()
+    conv_a, _ = collector.layers["0"].statistics()
     close(conv_a, conv_oracle(model[0], x), rtol=1e-6)
-    norm_a, _ = collector.layers["1"].accumulated()
+    norm_a, _ = collector.layers["1"].statistics()
     close(norm_a, norm_a_oracle(h.detach().float()), rtol=1e-6)
     collector.remove()
 
@@ -597,7 +601,7 @@ def test_timm_batchnormact2d_is_matched_as_batchnorm():
     assert isinstance(rule_for(bn_act), ChannelNormRule)
     layer, x, grad = _bn_act_stats(bn_act)
     assert layer.a_count == layer.g_count == 1
-    a_sum, g_sum = layer.accumulated()
+    a_sum, g_sum = layer.statistics()
     close(a_sum, norm_a_oracle(x))  # the hook input is the batch-norm input
     close(g_sum, channel_g_oracle(grad))
 
@@ -607,7 +611,7 @@ def test_timm_batchnormact2d_g_is_taken_before_the_activation():
 
     bn_act = BatchNormAct2d(4, act_layer=nn.ReLU)
     layer, x, grad = _bn_act_stats(bn_act)
-    a_sum, g_sum = layer.accumulated()
+    a_sum, g_sum = layer.statistics()
     close(a_sum, norm_a_oracle(x))
     close(g_sum, channel_g_oracle(grad))
 

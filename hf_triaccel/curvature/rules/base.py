@@ -2,10 +2,11 @@
 
 A :class:`FisherRule` gives, for one kind of module, the lengths of its two factor vectors
 (``a`` from the layer input, ``g`` from the gradient of its output), how each of the
-module's parameters indexes them (:class:`~hf_triaccel._types.FactorLayout`), and how one
-micro-batch's statistic of each is written into a buffer the caller owns. That is the only
-way statistics are taken: :func:`a_statistic` / :func:`g_statistic` call the same methods
-into new tensors, for inspection and tests.
+module's parameters indexes them (:class:`~hf_triaccel._types.FactorLayout`), how one
+micro-batch's sums are written into a buffer the caller owns, and how the step's sums
+become the statistic (:mod:`~hf_triaccel.curvature.finish`). That is the only way
+statistics are taken: :func:`a_statistic` / :func:`g_statistic` call the same methods into
+new tensors, for inspection and tests.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from hf_triaccel._types import FactorLayout
+from hf_triaccel.curvature.finish import Finish, FinishPlan, Mean
 
 
 def out_in_layout(d_out: int, d_in: int) -> FactorLayout:
@@ -51,9 +53,17 @@ def per_entry_layout(n: int, a_entry: int) -> FactorLayout:
 class FisherRule:
     """The Fisher factors of one module kind: their sizes, layouts and statistics.
 
+    A statistic is taken in two parts. In the hooks, :meth:`a_write` / :meth:`g_write`
+    write one micro-batch's *sums* over its samples (or rows) and return how many they
+    summed: sums of several micro-batches and processes add up to those of the whole
+    batch. Once per optimizer step, the finish that :meth:`a_finish` / :meth:`g_finish`
+    name turns the step's sums and count into the statistic (a mean, the square of a
+    sum...; :mod:`~hf_triaccel.curvature.finish`), so that whatever is not linear in the
+    samples is applied once, to the whole batch.
+
     A rule for a custom module class implements :meth:`sizes`, :meth:`layouts`,
-    :meth:`a_write` and :meth:`g_write` (and :meth:`output_module` when the output
-    gradient is taken elsewhere), then is registered with
+    :meth:`a_write` and :meth:`g_write` (and :meth:`a_finish`, :meth:`g_finish`,
+    :meth:`output_module` when the defaults do not fit), then is registered with
     :func:`~hf_triaccel.curvature.rules.register_fisher_rule`. The statistics run in the
     collector's hooks on every refresh step, on tensors detached from autograd; a rule that
     reads the module's parameters should detach them too.
@@ -64,11 +74,14 @@ class FisherRule:
         ...         return 1, module.weight.numel()
         ...     def layouts(self, module):
         ...         return {"weight": per_entry_layout(module.weight.numel(), 0)}
-        ...     def a_write(self, module, x, out, impl, cache):
-        ...         out[0] = x.float().square().mean()
+        ...     def a_write(self, module, x, out, impl, cache):  # the mean of x^2
+        ...         out[0] = x.float().square().sum()
+        ...         return x.numel()
         ...     def g_write(self, module, grad, out, accumulate, impl, cache):
-        ...         stat = grad.float().square().reshape(-1, out.numel()).mean(0)
+        ...         rows = grad.float().reshape(-1, out.numel())
+        ...         stat = rows.square().sum(0)
         ...         out.add_(stat) if accumulate else out.copy_(stat)
+        ...         return rows.shape[0]
         >>> class Scale(nn.Module):
         ...     def __init__(self):
         ...         super().__init__()
@@ -92,6 +105,16 @@ class FisherRule:
         its forward applies something (an activation) after the parameterised op."""
         return module
 
+    def a_finish(self, module: nn.Module) -> Finish:
+        """How the step's activation sums become ``a`` (default: their mean)."""
+        return Mean()
+
+    def g_finish(self, module: nn.Module) -> Finish:
+        """How the step's gradient sums become ``g`` (default: their mean); it must keep
+        the sums' length (:class:`~hf_triaccel.curvature.finish.Mean` or
+        :class:`~hf_triaccel.curvature.finish.SquareMean`)."""
+        return Mean()
+
     def a_write(
         self,
         module: nn.Module,
@@ -99,21 +122,23 @@ class FisherRule:
         out: torch.Tensor,
         impl: str | None,
         cache: dict[Any, Any],
-    ) -> float | None:
-        """Writes the activation statistic of one micro-batch into ``out``.
+    ) -> float:
+        """Writes the activation sums of one micro-batch into ``out``.
 
         Args:
             module: the module.
             x: its input, detached from autograd.
-            out: contiguous float32 destination of length ``sizes(module)[0]``.
+            out: contiguous float32 destination of the length
+                ``a_finish(module).sums_length(sizes(module)[0])``. Entries the finish
+                sets itself (a :class:`~hf_triaccel.curvature.finish.Mean`'s ``last``)
+                may be left as they are.
             impl: implementation (see :mod:`hf_triaccel.dispatch`).
             cache: a dict the caller keeps for this module (and empties when the module's
                 buffers move), where the rule keeps what it can reuse from call to call.
 
         Returns:
-            ``None`` when every entry of ``out`` was written. Otherwise the value of the
-            last entry, which was left untouched for the caller to set: it depends only on
-            the input's shape (the bias column of ones, a norm layer's size entry).
+            The number of samples (or rows) summed: the step's statistic divides the
+            step's sums by the step's total of these.
         """
         raise NotImplementedError
 
@@ -125,18 +150,18 @@ class FisherRule:
         accumulate: bool,
         impl: str | None,
         cache: dict[Any, Any],
-    ) -> None:
-        """Writes the gradient statistic of one micro-batch into ``out``, or adds it to
-        ``out`` when ``accumulate``. Arguments as for :meth:`a_write`; ``out`` has length
-        ``sizes(module)[1]``."""
+    ) -> float:
+        """Writes the gradient sums of one micro-batch into ``out``, or adds them to
+        ``out`` when ``accumulate``; returns the number of samples (or rows) summed.
+        Arguments as for :meth:`a_write`; ``out`` has length ``sizes(module)[1]``."""
         raise NotImplementedError
 
 
 def a_statistic(
     rule: FisherRule, module: nn.Module, x: torch.Tensor, impl: str | None = None
 ) -> torch.Tensor:
-    """One micro-batch's activation statistic of ``module`` as a new float32 tensor,
-    every entry set.
+    """The activation statistic of ``module`` on the batch ``x``, finished, as a new
+    float32 tensor.
 
     Example:
         >>> from hf_triaccel.curvature.rules import rule_for
@@ -144,19 +169,21 @@ def a_statistic(
         >>> a_statistic(rule_for(layer), layer, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
         tensor([ 5., 10.,  1.])
     """
-    out = torch.zeros(rule.sizes(module)[0], dtype=torch.float32, device=x.device)
+    finish = rule.a_finish(module)
+    length = rule.sizes(module)[0]
+    sums = torch.zeros(finish.sums_length(length), dtype=torch.float32, device=x.device)
     with torch.no_grad():
-        last = rule.a_write(module, x.detach(), out, impl, {})
-    if last is not None:
-        out[-1] = last
+        n = rule.a_write(module, x.detach(), sums, impl, {})
+    out = sums if finish.in_place else torch.zeros(length, device=x.device)
+    FinishPlan([(finish, sums, out)])([n])
     return out
 
 
 def g_statistic(
     rule: FisherRule, module: nn.Module, grad: torch.Tensor, impl: str | None = None
 ) -> torch.Tensor:
-    """One micro-batch's gradient statistic of ``module`` (from the gradient of its
-    output) as a new float32 tensor.
+    """The gradient statistic of ``module`` from the gradient ``grad`` of its output on a
+    batch, finished, as a new float32 tensor.
 
     Example:
         >>> from hf_triaccel.curvature.rules import rule_for
@@ -166,5 +193,6 @@ def g_statistic(
     """
     out = torch.zeros(rule.sizes(module)[1], dtype=torch.float32, device=grad.device)
     with torch.no_grad():
-        rule.g_write(module, grad.detach(), out, False, impl, {})
+        n = rule.g_write(module, grad.detach(), out, False, impl, {})
+    FinishPlan([(rule.g_finish(module), out, out)])([n])
     return out

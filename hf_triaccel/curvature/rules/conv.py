@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_triaccel.curvature.finish import Mean
 from hf_triaccel.curvature.reductions import Reduction, reductions_for
 from hf_triaccel.curvature.rules.base import FisherRule, out_in_layout, per_entry_layout
-from hf_triaccel.curvature.rules.plans import ViewOf, as_view, channel_reduce, inverse, remember
+from hf_triaccel.curvature.rules.plans import ViewOf, as_view, channel_reduce, remember
 from hf_triaccel.curvature.rules.thirdparty import pads_same_dynamically
 
 # Largest tap-by-position selector formed as one matrix (4 MiB of float32: a 3x3 kernel
@@ -109,14 +110,14 @@ class ConvPlan:
     """Everything the activation statistic of a conv needs for one input shape and layout.
 
     The input (padded first when the module pads inside its forward) is viewed as rows
-    of one sample (and group) each; their column sums of x^2, scaled by 1 / (B L D),
-    land in ``per_position`` in (channel, position) order, or (position, channel) for a
-    channels-last input; one matrix product with the tap selector then writes the
-    statistic in weight-flattening order (C_in/groups, *kernel).
+    of one sample (and group) each; their column sums of x^2 land in ``per_position`` in
+    (channel, position) order, or (position, channel) for a channels-last input; one
+    matrix product with the tap selector then writes the sums in weight-flattening order
+    (C_in/groups, *kernel). ``count`` is the number of rows of the unfold, B L.
     """
 
     reduce: Reduction
-    scale: float
+    count: float
     pad: list[int] | None  # F.pad amounts, applied before the reduction
     pad_mode: str
     unsqueeze: bool  # an unbatched input that must be padded as a batch of one
@@ -131,7 +132,6 @@ class ConvPlan:
     selectors: list[torch.Tensor] | None  # per-dim window selectors, when taps is None
     spatial: tuple[int, ...]
     head: ViewOf
-    bias: float | None
 
 
 def conv_plan(module: nn.Module, x: torch.Tensor, impl: str | None) -> ConvPlan:
@@ -181,7 +181,7 @@ def conv_plan(module: nn.Module, x: torch.Tensor, impl: str | None) -> ConvPlan:
     bias = module.bias is not None
     return ConvPlan(
         reduce=reductions_for(impl, device)[0],
-        scale=inverse(rows * patch),
+        count=float(rows),
         pad=pad,
         pad_mode=pad_mode,
         unsqueeze=unbatched and pad is not None,
@@ -196,12 +196,11 @@ def conv_plan(module: nn.Module, x: torch.Tensor, impl: str | None) -> ConvPlan:
         selectors=selectors,
         spatial=spatial,
         head=ViewOf(lambda out: (out[:patch] if bias else out).view(c_group, kernel)),
-        bias=groups / patch if bias else None,
     )
 
 
 def gather_taps(plan: ConvPlan, dst: torch.Tensor) -> None:
-    """Writes the statistic (C_in/groups, taps) from the per-position sums into ``dst``."""
+    """Writes the sums (C_in/groups, taps) from the per-position sums into ``dst``."""
     if plan.by_group is not None:
         torch.sum(plan.by_group, 1, out=plan.group_sum)
     if plan.taps is not None:
@@ -226,7 +225,8 @@ class ConvRule(FisherRule):
     bias, divided by B * L * D (L output positions, D patch length; the published
     scaling). The unfold is never formed: the batch-sum of x^2 is taken once per input
     position (and per group, sharing one reduction), then each kernel tap gathers the
-    positions its windows visit through a 0/1 selector, in one matrix product.
+    positions its windows visit through a 0/1 selector, in one matrix product. The hook
+    writes these sums; the finish divides by the step's B * L * D and sets the bias entry.
     g = mean over B * L of the squared output gradient, per output channel.
 
     Example:
@@ -245,6 +245,11 @@ class ConvRule(FisherRule):
         c_out = module.out_channels
         return {"weight": out_in_layout(c_out, d), "bias": per_entry_layout(c_out, d)}
 
+    def a_finish(self, module):
+        # the ones column of the bias, summed over each row's groups: groups / D of the mean
+        d = module.in_channels // module.groups * math.prod(module.kernel_size)
+        return Mean(scale=1.0 / d, last=module.groups / d if module.bias is not None else None)
+
     def a_write(self, module, x, out, impl, cache):
         key = ("a", x.shape, x.stride())
         plan = cache.get(key) or remember(cache, key, conv_plan(module, x, impl))
@@ -254,9 +259,10 @@ class ConvRule(FisherRule):
             rows = x.permute(0, 2, 3, 1).view(plan.batch, -1)
         else:
             rows = as_view(x, plan.row_shape)
-        plan.reduce(rows, True, out=plan.per_position, scale=plan.scale)
+        plan.reduce(rows, True, out=plan.per_position)
         gather_taps(plan, plan.head(out))
-        return plan.bias
+        return plan.count
 
     def g_write(self, module, grad, out, accumulate, impl, cache):
-        channel_reduce(grad, len(module.kernel_size) + 1, out, accumulate, impl, cache, True)
+        unbatched = len(module.kernel_size) + 1
+        return channel_reduce(grad, unbatched, out, accumulate, impl, cache, True)

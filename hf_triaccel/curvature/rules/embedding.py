@@ -7,18 +7,19 @@ from dataclasses import dataclass
 import torch
 
 from hf_triaccel.curvature.rules.base import FisherRule, in_out_layout
-from hf_triaccel.curvature.rules.plans import as_view, inverse, mean_square_rows, remember
+from hf_triaccel.curvature.rules.plans import as_view, remember, sum_square_rows
 
 
 @dataclass
 class _EmbeddingPlan:
     ones: torch.Tensor  # one per looked-up row: index_add_ counts them exactly
-    scale: float
+    count: float
 
 
 class EmbeddingRule(FisherRule):
     """a_v = share of the input rows that look up row v (the mean of the squared one-hot);
-    g = mean over rows of the squared output gradient.
+    g = mean over rows of the squared output gradient. The hooks write the counts of
+    each row and the sums of squares; the finish divides by the step's rows.
 
     Example:
         >>> from torch import nn
@@ -39,10 +40,10 @@ class EmbeddingRule(FisherRule):
         if plan is None:
             n = x.numel()
             ones = torch.ones(n, dtype=torch.float32, device=x.device)
-            plan = remember(cache, key, _EmbeddingPlan(ones, inverse(n)))
+            plan = remember(cache, key, _EmbeddingPlan(ones, float(n)))
         # index_add_ rather than bincount: bincount sizes its output on the host (a sync)
-        out.zero_().index_add_(0, as_view(x, (-1,)), plan.ones).mul_(plan.scale)
-        return None
+        out.zero_().index_add_(0, as_view(x, (-1,)), plan.ones)
+        return plan.count
 
     def g_write(self, module, grad, out, accumulate, impl, cache):
-        mean_square_rows(grad, out, accumulate, impl, cache, "g")
+        return sum_square_rows(grad, out, accumulate, impl, cache, "g")

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from hf_triaccel.curvature.finish import Mean
 from hf_triaccel.curvature.rules.base import (
     FisherRule,
     in_out_layout,
     out_in_layout,
     per_entry_layout,
 )
-from hf_triaccel.curvature.rules.plans import mean_square_rows
+from hf_triaccel.curvature.rules.plans import sum_square_rows
 
 
 class LinearRule(FisherRule):
     """``nn.Linear``: a = mean over rows of x^2 (+1 for the bias), g = mean of grad^2.
+
+    The hooks write sums over rows; the finish divides them by the step's rows and sets
+    the bias entry.
 
     Example:
         >>> from torch import nn
@@ -27,13 +31,14 @@ class LinearRule(FisherRule):
         d_out, d_in = module.out_features, module.in_features
         return {"weight": out_in_layout(d_out, d_in), "bias": per_entry_layout(d_out, d_in)}
 
+    def a_finish(self, module):
+        return Mean(last=1.0 if module.bias is not None else None)
+
     def a_write(self, module, x, out, impl, cache):
-        bias = module.bias is not None
-        mean_square_rows(x, out, False, impl, cache, "a", bias)
-        return 1.0 if bias else None
+        return sum_square_rows(x, out, False, impl, cache, "a", module.bias is not None)
 
     def g_write(self, module, grad, out, accumulate, impl, cache):
-        mean_square_rows(grad, out, accumulate, impl, cache, "g")
+        return sum_square_rows(grad, out, accumulate, impl, cache, "g")
 
 
 class HFConv1DRule(LinearRule):

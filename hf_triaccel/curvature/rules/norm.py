@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_triaccel.curvature.finish import NormActivation, SquareMean, inverse
 from hf_triaccel.curvature.reductions import Reduction, reductions_for
 from hf_triaccel.curvature.rules.base import FisherRule, per_entry_layout
 from hf_triaccel.curvature.rules.plans import (
@@ -21,65 +22,87 @@ from hf_triaccel.curvature.rules.plans import (
     ViewOf,
     as_view,
     channel_reduce,
-    inverse,
     remember,
 )
 from hf_triaccel.curvature.rules.thirdparty import declared_channels_first, norm_output_module
 
+# Per-position sums kept for the ``a`` of a layer that normalises trailing dims: one per
+# position along dim 1 (the tokens of a (B, T, D) input), whose count the module does not
+# fix. A fixed number keeps every process's sums the same length for the one all-reduce
+# per refresh; positions past it wrap around (t and t + POSITIONS share an entry).
+POSITIONS = 8192
+
 
 @dataclass
 class NormPlan:
-    """The a statistic of a normalisation layer for one input shape."""
+    """The activation sums of a normalisation layer for one input shape."""
 
     reduce: Reduction
     shape: tuple[int, int, int]
-    scale: float
-    sums: torch.Tensor  # scratch: the scaled per-channel sums u
-    row: torch.Tensor  # u as (1, C)
-    column: torch.Tensor  # u as (C, 1)
-    first: ViewOf
-    size_entry: float
+    scale: float  # 1 / R^2
+    head: ViewOf  # where the reduction writes: out[:C], or the scratch when C > positions
+    wrapped: torch.Tensor | None  # the scratch as (-1, positions), when C > positions
+    sums: ViewOf  # out[:positions]
+    tail: ViewOf  # what follows the written sums: zeros, then the size entry
+    tail_values: torch.Tensor
+    count: float
 
 
-def norm_plan(x: torch.Tensor, impl: str | None) -> NormPlan:
+def norm_plan(x: torch.Tensor, impl: str | None, positions: int) -> NormPlan:
     """The plan of :func:`norm_a_write` for inputs shaped as ``x``."""
     shape = (1, *x.shape) if x.dim() == 1 else tuple(x.shape)
     b, c = shape[:2]
     length = math.prod(shape[2:])
-    sums = torch.empty(c, dtype=torch.float32, device=x.device)
+    device = x.device
+    wrapped = None
+    if c <= positions:
+        head = ViewOf(lambda out: out[:c])
+        tail = ViewOf(lambda out: out[c:])
+        tail_values = torch.zeros(positions - c + 1, device=device)
+    else:
+        scratch = torch.zeros(-(-c // positions) * positions, device=device)
+        head = ViewOf(lambda out: scratch[:c])
+        wrapped = scratch.view(-1, positions)
+        tail = ViewOf(lambda out: out[positions:])
+        tail_values = torch.zeros(1, device=device)
+    tail_values[-1] = float(b * c)  # the samples' dim-1 sizes, summed
     return NormPlan(
-        reduce=reductions_for(impl, x.device)[1],
+        reduce=reductions_for(impl, device)[1],
         shape=(b, c, length),
-        scale=inverse(float(length) ** 2 * b),
-        sums=sums,
-        row=sums.view(1, c),
-        column=sums.view(c, 1),
-        first=ViewOf(lambda out: out[:1].view(1, 1)),
-        size_entry=c / float(b) ** 2 if b else math.nan,
+        scale=inverse(float(length) ** 2),
+        head=head,
+        wrapped=wrapped,
+        sums=ViewOf(lambda out: out[:positions]),
+        tail=tail,
+        tail_values=tail_values,
+        count=float(b),
     )
 
 
 def norm_a_write(
-    x: torch.Tensor, out: torch.Tensor, impl: str | None, cache: dict[Any, Any]
+    x: torch.Tensor, out: torch.Tensor, impl: str | None, cache: dict[Any, Any], positions: int
 ) -> float:
-    """Normalisation layers' a (published reference mode): a 2-vector.
+    """Normalisation layers' activation sums (published reference mode), finished by
+    :class:`~hf_triaccel.curvature.finish.NormActivation`.
 
-    Reduce over every dim except dim 1: u_j = sum / R^2, R the product of the reduced
-    dims other than dim 0; a = [sum_j u_j^2, size of dim 1] / B^2. Writes entry 0 (the
-    reduction, scaled by 1 / (R^2 B), then the sum of squares) and returns entry 1.
+    The statistic: reduce over every dim except dim 1; u_j = sum / R^2, R the product of
+    the reduced dims other than dim 0; a = [sum_j u_j^2, size of dim 1] / B^2. Squares of
+    sums over the batch, so the hook writes the sums: ``out[:positions]`` gets
+    ``sum / R^2`` per entry j of dim 1 (zeros past its size; entries past ``positions``
+    wrap around) and ``out[positions]`` the size of dim 1 times B. Returns B.
 
     Example:
-        >>> out = torch.zeros(2)
-        >>> norm_a_write(torch.ones(2, 3, 4), out, None, {}), out  # u_j = 8 / 16
-        (0.75, tensor([0.1875, 0.0000]))
+        >>> out = torch.zeros(5)
+        >>> norm_a_write(torch.ones(2, 3, 4), out, None, {}, positions=4), out  # 8 / 16
+        (2.0, tensor([0.5000, 0.5000, 0.5000, 0.0000, 6.0000]))
     """
     key = ("a", x.shape)
-    plan = cache.get(key) or remember(cache, key, norm_plan(x, impl))
-    plan.reduce(as_view(x, plan.shape), False, out=plan.sums, scale=plan.scale)
-    # a (1, C) x (C, 1) product: one dispatch, where dot with out= takes two and a copy
-    # (and with out=, a float32 product under autocast too)
-    torch.mm(plan.row, plan.column, out=plan.first(out))
-    return plan.size_entry
+    plan = cache.get(key) or remember(cache, key, norm_plan(x, impl, positions))
+    plan.reduce(as_view(x, plan.shape), False, out=plan.head(out), scale=plan.scale)
+    if plan.wrapped is not None:
+        torch.sum(plan.wrapped, 0, out=plan.sums(out))
+    plan.tail(out).copy_(plan.tail_values)
+    return plan.count
 
 
 def affine_numel(module: nn.Module) -> int:
@@ -119,7 +142,9 @@ def channels_first(module: nn.Module, shape: torch.Size) -> bool:
 
 class NormRule(FisherRule):
     """What every normalisation layer shares: sizes, layouts, the ``a`` statistic
-    (:func:`norm_a_write`) and where the output gradient is taken; subclasses give ``g``."""
+    (:func:`norm_a_write`), the finishes and where the output gradient is taken;
+    subclasses give ``g``'s sums (over the batch, squared once per step: ``SquareMean``)
+    and how many entries of dim 1 the ``a`` sums keep."""
 
     def sizes(self, module):
         return 2, affine_numel(module)
@@ -128,8 +153,18 @@ class NormRule(FisherRule):
         n = affine_numel(module)
         return {"weight": per_entry_layout(n, 0), "bias": per_entry_layout(n, 1)}
 
+    def positions(self, module: nn.Module) -> int:
+        """Entries of dim 1 the ``a`` sums keep: the channels."""
+        return affine_numel(module)
+
+    def a_finish(self, module):
+        return NormActivation(self.positions(module))
+
+    def g_finish(self, module):
+        return SquareMean()
+
     def a_write(self, module, x, out, impl, cache):
-        return norm_a_write(x, out, impl, cache)
+        return norm_a_write(x, out, impl, cache, self.positions(module))
 
     def output_module(self, module):
         return norm_output_module(module)
@@ -147,7 +182,7 @@ class ChannelNormRule(NormRule):
     """
 
     def g_write(self, module, grad, out, accumulate, impl, cache):
-        channel_reduce(grad, 1, out, accumulate, impl, cache, False)
+        return channel_reduce(grad, 1, out, accumulate, impl, cache, False)
 
 
 # LastDimNormRule's plan for channels-first layers: g per channel, as ChannelNormRule's
@@ -168,20 +203,19 @@ class LastDimNormRule(NormRule):
         tensor([36., 36.])
     """
 
+    def positions(self, module):
+        # declared channels-first: one entry per channel; else up to POSITIONS tokens
+        if declared_channels_first(module):
+            return affine_numel(module)
+        return max(affine_numel(module), POSITIONS)
+
     def g_write(self, module, grad, out, accumulate, impl, cache):
         key = ("g", grad.shape)
         plan = cache.get(key) or remember(cache, key, self._g_plan(module, grad, impl))
         if plan is _PER_CHANNEL:
-            channel_reduce(grad, 1, out, accumulate, impl, cache, False)
-            return
-        plan.reduce(
-            as_view(grad, (plan.rows, plan.d)),
-            False,
-            out=out,
-            scale=plan.scale,
-            accumulate=accumulate,
-            square_result=True,
-        )
+            return channel_reduce(grad, 1, out, accumulate, impl, cache, False)
+        plan.reduce(as_view(grad, (plan.rows, plan.d)), False, out=out, accumulate=accumulate)
+        return plan.count
 
     @staticmethod
     def _g_plan(module: nn.Module, grad: torch.Tensor, impl: str | None) -> RowsPlan | object:
@@ -196,4 +230,4 @@ class LastDimNormRule(NormRule):
         n = math.prod(ns)
         batch = grad.shape[0] if grad.dim() > len(ns) else 1
         reduce, _ = reductions_for(impl, grad.device)
-        return RowsPlan(reduce, grad.numel() // n if n else 0, n, inverse(batch))
+        return RowsPlan(reduce, grad.numel() // n if n else 0, n, float(batch))

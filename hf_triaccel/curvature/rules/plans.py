@@ -2,8 +2,8 @@
 
 The statistics run on every hooked layer of every refresh step and are bound by host
 time, so each built-in rule keeps, in the cache the collector holds for the module, one
-plan per input shape: the resolved reduction, the reshapes and scales, scratch buffers
-and views of the caller's buffer. A plan is the one cache of its statistic; once a layer
+plan per input shape: the resolved reduction, the reshapes, counts and scales, scratch
+buffers and views of the caller's buffer. A plan is the one cache of its statistic; once a layer
 has seen its input shape, a statistic costs its one or two kernel launches.
 """
 
@@ -70,31 +70,26 @@ def remember(cache: dict[Any, Any], key: Any, plan: Any) -> Any:
     return plan
 
 
-def inverse(n: float) -> float:
-    """1 / n, NaN for an empty input (the mean over nothing)."""
-    return 1.0 / n if n else math.nan
-
-
 @dataclass
 class RowsPlan:
-    """A statistic that is a scaled sum over rows of the input viewed as (rows, d)."""
+    """A statistic that is a sum over rows of the input viewed as (rows, d)."""
 
     reduce: Reduction
     rows: int
     d: int
-    scale: float
+    count: float  # what the sums run over, returned to the caller
     head: ViewOf | None = None  # the part of ``out`` the sums go to, when not all of it
 
 
 def rows_plan(t: torch.Tensor, impl: str | None, bias: bool) -> RowsPlan:
-    """The plan of :func:`mean_square_rows` for inputs shaped as ``t``."""
+    """The plan of :func:`sum_square_rows` for inputs shaped as ``t``."""
     d = t.shape[-1] if t.dim() else 1
     rows = t.numel() // d if d else 0
     head = ViewOf(lambda out: out[:d]) if bias else None
-    return RowsPlan(reductions_for(impl, t.device)[0], rows, d, inverse(rows), head)
+    return RowsPlan(reductions_for(impl, t.device)[0], rows, d, float(rows), head)
 
 
-def mean_square_rows(
+def sum_square_rows(
     t: torch.Tensor,
     out: torch.Tensor,
     accumulate: bool,
@@ -102,22 +97,22 @@ def mean_square_rows(
     cache: dict[Any, Any],
     key: str,
     bias: bool = False,
-) -> None:
-    """Mean over rows (every dim but the last) of ``t**2`` into ``out`` (its first
-    ``t.shape[-1]`` entries when ``bias``).
+) -> float:
+    """Sum over rows (every dim but the last) of ``t**2`` into ``out`` (its first
+    ``t.shape[-1]`` entries when ``bias``); returns the number of rows.
 
     Example:
         >>> out = torch.zeros(3)
-        >>> mean_square_rows(torch.full((2, 2), 3.0), out, False, None, {}, "a", bias=True)
+        >>> sum_square_rows(torch.full((2, 2), 3.0), out, False, None, {}, "a", bias=True)
+        2.0
         >>> out
-        tensor([9., 9., 0.])
+        tensor([18., 18.,  0.])
     """
     plan_key = (key, t.shape)
     plan = cache.get(plan_key) or remember(cache, plan_key, rows_plan(t, impl, bias))
     dst = out if plan.head is None else plan.head(out)
-    plan.reduce(
-        as_view(t, (plan.rows, plan.d)), True, out=dst, scale=plan.scale, accumulate=accumulate
-    )
+    plan.reduce(as_view(t, (plan.rows, plan.d)), True, out=dst, accumulate=accumulate)
+    return plan.count
 
 
 @dataclass
@@ -126,7 +121,7 @@ class ChannelPlan:
 
     reduce: Reduction
     shape: tuple[int, int, int]
-    scale: float
+    count: float
 
 
 def channel_plan(
@@ -136,8 +131,8 @@ def channel_plan(
     shape = (1, *t.shape) if t.dim() == unbatched_dim else tuple(t.shape)
     b, c = shape[:2]
     length = math.prod(shape[2:])
-    scale = inverse(b * length) if square else inverse(b)
-    return ChannelPlan(reductions_for(impl, t.device)[1], (b, c, length), scale)
+    count = float(b * length if square else b)
+    return ChannelPlan(reductions_for(impl, t.device)[1], (b, c, length), count)
 
 
 def channel_reduce(
@@ -148,24 +143,18 @@ def channel_reduce(
     impl: str | None,
     cache: dict[Any, Any],
     square: bool,
-) -> None:
-    """Per-channel (dim 1) statistic of ``t`` into ``out``: with ``square``, the mean over
-    batch and positions of ``t**2``; otherwise (sum over all dims but 1)^2 / B. A ``t``
-    with ``unbatched_dim`` dims is a batch of one.
+) -> float:
+    """Per-channel (dim 1) sums of ``t`` over every other dim into ``out``, of ``t**2``
+    when ``square``; returns what they run over: the batch and positions with ``square``
+    (the mean of ``t**2`` divides by it), the samples otherwise (the square of the sum is
+    divided by it). A ``t`` with ``unbatched_dim`` dims is a batch of one.
 
     Example:
         >>> out = torch.zeros(3)
-        >>> channel_reduce(torch.ones(2, 3, 4), 2, out, False, None, {}, square=False)
-        >>> out  # (2 * 4)^2 / 2
-        tensor([32., 32., 32.])
+        >>> channel_reduce(torch.ones(2, 3, 4), 2, out, False, None, {}, square=False), out
+        (2.0, tensor([8., 8., 8.]))
     """
     key = ("channel", t.shape)
     plan = cache.get(key) or remember(cache, key, channel_plan(t, unbatched_dim, impl, square))
-    plan.reduce(
-        as_view(t, plan.shape),
-        square,
-        out=out,
-        scale=plan.scale,
-        accumulate=accumulate,
-        square_result=not square,
-    )
+    plan.reduce(as_view(t, plan.shape), square, out=out, accumulate=accumulate)
+    return plan.count
