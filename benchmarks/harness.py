@@ -43,7 +43,15 @@ NEVER = 10**9  # an update_every no benchmark reaches: only a first step refresh
 GIB = 2**30
 # (learning rate, weight decay) per optimizer, measured on CIFAR-10 with the ResNet-18, 30
 # epochs (BENCHMARKS.md: the published AdaFisher lr of 1e-3 underfits there)
-HYPERPARAMETERS = {"adafisherw": (1e-2, 5e-4), "adafisher": (3e-3, 5e-4), "adamw": (3e-3, 5e-2)}
+HYPERPARAMETERS = {
+    "adafisherw": (1e-2, 5e-4),
+    "adafisher": (3e-3, 5e-4),
+    "adamw": (3e-3, 5e-2),
+    # the baselines and the curvature-off control of the equal-epoch grid (equal_epochs.py)
+    "sgd": (0.4, 5e-4),
+    "sgd_ema": (3.0, 5e-4),
+}
+MOMENTUM = 0.9  # SGD's, and AdaFisher's default beta
 
 
 def base_parser(
@@ -281,18 +289,38 @@ def build_model(
 def make_optimizer(
     kind: str, model: nn.Module, *, lr=LR, weight_decay: float = WEIGHT_DECAY, **adafisher: Any
 ) -> torch.optim.Optimizer:
-    """``"adamw"`` (fused; capturable when ``lr`` is a tensor), or ``"adafisher"`` /
-    ``"adafisherw"`` built by ``from_model`` with ``adafisher`` (``impl``,
-    ``update_every``, ...; AdamW ignores them). Names are case-insensitive."""
+    """``"adamw"`` (fused; capturable when ``lr`` is a tensor), ``"sgd"`` (Nesterov) or
+    ``"sgd_ema"`` (AdaFisher's momentum, the curvature-off control; both fused on CUDA,
+    else foreach), or ``"adafisher"`` / ``"adafisherw"`` built by ``from_model`` with
+    ``adafisher`` (``impl``, ``update_every``, ...; the others ignore them). Names are
+    case-insensitive."""
     kind = kind.lower()
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = all(p.is_cuda for p in params)  # else foreach: fused SGD needs CUDA on older torch
     if kind == "adamw":
-        params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.AdamW(
             params, lr=lr, weight_decay=weight_decay, fused=True, capturable=torch.is_tensor(lr)
         )
+    if kind in ("sgd", "sgd_ema"):
+        # "sgd": Nesterov momentum. "sgd_ema": the momentum as AdaFisher keeps it,
+        # m <- beta*m + (1 - beta)*g, which is AdaFisher's L2 update with every
+        # preconditioner entry equal to the damping: lr here = AdaFisher's lr / damping
+        # (torch seeds the buffer with the first gradient, AdaFisher's bias correction
+        # gives the same first step)
+        ema = kind == "sgd_ema"
+        return torch.optim.SGD(
+            params,
+            lr=lr,
+            momentum=MOMENTUM,
+            dampening=MOMENTUM if ema else 0.0,
+            nesterov=not ema,
+            weight_decay=weight_decay,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
     optimizers = {"adafisher": AdaFisher, "adafisherw": AdaFisherW}
     if kind not in optimizers:
-        raise ValueError(f"optimizer {kind!r}: choose adamw, adafisher or adafisherw")
+        raise ValueError(f"optimizer {kind!r}: choose one of {tuple(HYPERPARAMETERS)}")
     return optimizers[kind].from_model(model, lr=lr, weight_decay=weight_decay, **adafisher)
 
 

@@ -46,6 +46,8 @@ OPTIONS = {
     "signals_every": (int, None, "adaptive precision: steps between two rankings"),
     "precision_map": (Path, None, "adaptive precision: write the map to this PNG"),
     "model": (str, "resnet18_cifar", "timm model"),
+    "ema": (str, None, "AdaFisher's fold rule, reference or paper (default: the optimizer's)"),
+    "update_every": (int, None, "AdaFisher: steps between refreshes (default: the rule's)"),
     "seed": (int, 0, "seed"),
     "device": (str, None, "default: cuda (smoke: cpu)"),
     "max_steps": (int, None, "stop early"),
@@ -69,8 +71,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.precision_map is not None and args.precision != "adaptive":
         parser.error("--precision_map needs --precision adaptive")
-    if args.lr_steering and args.optimizer == "adamw":
-        parser.error("--lr_steering needs --optimizer adafisher or adafisherw")
+    fisher_flags = args.ema is not None or args.update_every is not None or args.lr_steering
+    if fisher_flags and not args.optimizer.startswith("adafisher"):
+        parser.error("--ema, --update_every and --lr_steering need adafisher or adafisherw")
     default_lr, default_wd = harness.HYPERPARAMETERS[args.optimizer]
     args.lr = default_lr if args.lr is None else args.lr
     args.weight_decay = default_wd if args.weight_decay is None else args.weight_decay
@@ -126,8 +129,10 @@ def run(
     common = dict(device=device, mean=mean, std=std, channels_last=args.channels_last)
     train_loader = harness.image_batches(train_data, args.batch_size, seed=args.seed, **common)
     test_loader = GPUBatchLoader(test_data, 1024, **common)
+    fisher = {"impl": args.impl, "update_every": args.update_every}
+    fisher.update({} if args.ema is None else {"ema": args.ema})
     optimizer = harness.make_optimizer(
-        args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay, impl=args.impl
+        args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay, **fisher
     )
     every = {} if args.signals_every is None else {"signals_every": args.signals_every}
     plugin = TriAccelPlugin(
@@ -173,6 +178,7 @@ def run(
     timed = epochs[1:] if len(epochs) > 1 else epochs
     images_per_second = sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed)
     names = ("optimizer", "precision", "model", "lr", "weight_decay", "label_smoothing", "impl")
+    names += ("ema", "update_every")
     names += ("batch_size", "layout", "channels_last", "seed", "data", "smoke")
     record = {name: getattr(args, name) for name in names}
     record.update(epochs=len(epochs), steps=args.total_steps, train_images=len(train_data))

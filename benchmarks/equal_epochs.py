@@ -1,0 +1,282 @@
+"""Accuracy at equal epochs: AdaFisher's fold rules against tuned AdamW and SGD and a
+curvature-off control, each run a ``train_cifar.py`` training.
+
+Every arm trains the same model (timm ``resnet18_cifar``) on the same data path (decoded
+once, augmented on the GPU), batch, epochs, one-cycle schedule and label smoothing; only
+the optimizer differs. The arms (:data:`ARMS`):
+
+- ``adamw``: AdamW(fused); ``sgd``: SGD with Nesterov momentum 0.9 (fused);
+- ``adafisher``: AdaFisher (L2 decay), the published fold rule (``ema="reference"``),
+  a refresh every 100 steps; ``adafisher_every20`` / ``adafisher_every5``: the same rule
+  refreshed more often;
+- ``curvature_off``: the control. Under the published rule the preconditioner settles
+  near the damping everywhere (docs/design.md), so AdaFisher's update tends to
+  ``m <- 0.9*m + 0.1*g; theta -= lr/damping * m``: that update exactly, as torch's SGD
+  with ``dampening=0.9`` (its lr is AdaFisher's lr / damping);
+- ``adafisher_paper``: the rule as the paper writes it (``ema="paper"``, normalised after
+  the EMA, a refresh every step): the preconditioner varies;
+- ``adafisher_paper_every10``: ours, not a published algorithm: the paper's fold refreshed
+  every 10 steps, a varying preconditioner at a tenth of the refreshes.
+
+A grid is a list of ``ARM:lr=A,B,...:wd=C,...`` specs, each run at every seed and data
+set given. Runs are appended, one JSON line each, to ``--results`` as they end; a run
+already there is skipped, so a grid spans several calls. ``--workers N`` runs N
+training processes at once on one GPU (accuracy only: their ``train_seconds`` overlap and
+are marked with ``workers``); ``--stop_after S`` starts no run after S seconds.
+``--summarise`` prints per data set and arm each configuration's mean and spread over its
+seeds and the best configuration.
+
+Usage:
+    python benchmarks/equal_epochs.py --data .data/cifar100 --epochs 15 --seeds 0 \\
+        --grid adamw:lr=3e-3,6e-3:wd=0.05 sgd:lr=0.4,0.8:wd=5e-4 --workers 3 \\
+        --results benchmarks/results/equal_epochs.jsonl
+    python benchmarks/equal_epochs.py --summarise benchmarks/results/equal_epochs.jsonl
+    python benchmarks/equal_epochs.py --smoke --results /tmp/ee.jsonl   # CPU
+"""
+
+import argparse
+import fcntl
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import harness
+import torch
+import train_cifar
+
+from hf_triaccel.data.images import ImageTensors
+
+# arm -> (train_cifar optimizer, its AdaFisher flags)
+ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "adamw": ("adamw", {}),
+    "sgd": ("sgd", {}),
+    "adafisher": ("adafisher", {}),
+    "adafisher_every20": ("adafisher", {"update_every": 20}),
+    "adafisher_every5": ("adafisher", {"update_every": 5}),
+    "curvature_off": ("sgd_ema", {}),
+    "adafisher_paper": ("adafisher", {"ema": "paper"}),
+    "adafisher_paper_every10": ("adafisher", {"ema": "paper", "update_every": 10}),
+}
+RESULTS = harness.REPO_ROOT / "benchmarks" / "results" / "equal_epochs.jsonl"
+SMOKE_GRID = ("adamw:lr=3e-3:wd=0.05", "curvature_off:lr=3:wd=5e-4", "adafisher_paper:lr=1e-2")
+SMOKE_STEPS = 2
+
+
+def parse_spec(spec: str) -> tuple[str, list[float], list[float | None]]:
+    """``ARM:lr=A,B:wd=C`` -> (arm, lrs, weight decays); without ``wd`` the optimizer's
+    default (``None``).
+
+    Example:
+        >>> parse_spec("sgd:lr=0.2,0.4:wd=5e-4")
+        ('sgd', [0.2, 0.4], [0.0005])
+    """
+    arm, *fields = spec.split(":")
+    if arm not in ARMS:
+        raise argparse.ArgumentTypeError(f"arm {arm!r} in {spec!r}: choose from {tuple(ARMS)}")
+    values: dict[str, list] = {"lr": [], "wd": [None]}
+    for item in fields:
+        name, _, text = item.partition("=")
+        if name not in values or not text:
+            raise argparse.ArgumentTypeError(f"{item!r} in {spec!r}: write lr=A,B or wd=C,D")
+        values[name] = [float(x) for x in text.split(",")]
+    if not values["lr"]:
+        raise argparse.ArgumentTypeError(f"{spec!r} names no learning rate (lr=A,B)")
+    return arm, values["lr"], values["wd"]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", nargs="+", default=[".data/cifar100"], help="parquet folders")
+    parser.add_argument("--grid", nargs="+", type=parse_spec, help="ARM:lr=A,B[:wd=C,D] specs")
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--batch_size", type=int, default=512)
+    parser.add_argument("--seeds", default="0", help="comma-separated")
+    parser.add_argument("--workers", type=int, default=1, help="training processes at once")
+    parser.add_argument("--stop_after", type=float, help="seconds: start no run after them")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON lines, appended to")
+    parser.add_argument("--summarise", type=Path, nargs="+", help="only summarise these files")
+    parser.add_argument("--smoke", action="store_true", help="CPU, random images, 2 steps a run")
+    parser.add_argument("--worker_of", type=Path, help=argparse.SUPPRESS)  # internal
+    args = parser.parse_args(argv)
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    if args.grid is None:
+        args.grid = [parse_spec(s) for s in SMOKE_GRID] if args.smoke else []
+    if not args.grid and not args.summarise:
+        parser.error("--grid is required (or --summarise)")
+    args.start = time.time()
+    return args
+
+
+def jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every run of the grid, in the order given: data set, spec, lr, wd, seed."""
+    out = []
+    for data, (arm, lrs, wds), seed in itertools.product(args.data, args.grid, args.seeds):
+        optimizer = ARMS[arm][0]
+        for lr, wd in itertools.product(lrs, wds):
+            wd = harness.HYPERPARAMETERS[optimizer][1] if wd is None else wd
+            out.append({"data": data, "arm": arm, "lr": lr, "weight_decay": wd, "seed": seed})
+    return out
+
+
+def key(record: dict[str, Any]) -> tuple:
+    """What identifies a run (a record or a job)."""
+    dataset = Path(record["data"]).name
+    return dataset, record["arm"], record["lr"], record["weight_decay"], record["seed"]
+
+
+def read_records(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    lines = (line for p in paths if p.is_file() for line in p.read_text().splitlines())
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def train_args(job: dict[str, Any], args: argparse.Namespace) -> argparse.Namespace:
+    optimizer, fisher = ARMS[job["arm"]]
+    flags = ["--optimizer", optimizer, "--lr", str(job["lr"]), "--seed", str(job["seed"])]
+    flags += ["--weight_decay", str(job["weight_decay"]), "--epochs", str(args.epochs)]
+    flags += ["--data", job["data"], "--batch_size", str(args.batch_size)]
+    flags += [f for name, value in fisher.items() for f in (f"--{name}", str(value))]
+    if args.smoke:
+        flags += ["--smoke", "--batch_size", "8", "--max_steps", str(SMOKE_STEPS)]
+    return train_cifar.parse_args(flags)
+
+
+def append(path: Path, record: dict[str, Any]) -> None:
+    """Appends one JSON line, locked against the other workers."""
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps(record) + "\n")
+
+
+def claim(claims: Path, job: dict[str, Any]) -> bool:
+    """Whether this worker takes ``job`` (the first to create its claim file does)."""
+    name = "_".join(map(str, key(job))).replace("/", "-")
+    try:
+        os.close(os.open(claims / name, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
+
+
+def work(args: argparse.Namespace, claims: Path | None, data: dict[str, tuple]) -> int:
+    """Runs the grid's missing runs (those this worker claims); returns the failures."""
+    done = {key(r) for r in read_records([args.results])}
+    failed = 0
+    for job in jobs(args):
+        if key(job) in done or (claims is not None and not claim(claims, job)):
+            continue
+        if args.stop_after is not None and time.time() - args.start > args.stop_after:
+            print(f"--stop_after reached: {job['arm']} lr {job['lr']:g} not started", flush=True)
+            continue
+        run_args = train_args(job, args)
+        if job["data"] not in data:
+            data[job["data"]] = train_cifar.load_data(run_args)
+        try:
+            record = train_cifar.run(run_args, data[job["data"]])
+        except Exception as exc:  # the grid's other runs still run
+            harness.report_error(exc)
+            failed += 1
+            continue
+        finally:
+            harness.free_memory(run_args.device)
+        record.update(arm=job["arm"], budget_epochs=args.epochs, workers=args.workers)
+        record["dataset"] = Path(job["data"]).name
+        append(args.results, record)
+        print(
+            f"{record['dataset']} {job['arm']} lr {job['lr']:g} wd {job['weight_decay']:g} "
+            f"seed {job['seed']}: {100 * record['test_accuracy']:.2f}% "
+            f"({record['train_seconds']:.1f} s)",
+            flush=True,
+        )
+    return failed
+
+
+def save_data(data: tuple[ImageTensors, ImageTensors, float], path: Path) -> None:
+    train, test, seconds = data
+    torch.save({"train": vars(train), "test": vars(test), "seconds": seconds}, path)
+
+
+def load_data(path: Path) -> tuple[ImageTensors, ImageTensors, float]:
+    saved = torch.load(path)
+    return ImageTensors(**saved["train"]), ImageTensors(**saved["test"]), saved["seconds"]
+
+
+def run_workers(args: argparse.Namespace, argv: list[str]) -> int:
+    """Decodes each data set once, then runs ``args.workers`` processes that share the
+    grid through claim files; returns the failures."""
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        (scratch / "claims").mkdir()
+        done = {key(r) for r in read_records([args.results])}
+        for i, path in enumerate(args.data):
+            pending = [j for j in jobs(args) if j["data"] == path and key(j) not in done]
+            if pending:
+                save_data(train_cifar.load_data(train_args(pending[0], args)), scratch / f"{i}.pt")
+        cmd = [sys.executable, __file__, *argv, "--worker_of", str(scratch)]
+        env = {**os.environ, "EQUAL_EPOCHS_START": str(args.start)}
+        procs = [subprocess.Popen(cmd, env=env) for _ in range(args.workers)]
+        return sum(p.wait() != 0 for p in procs)
+
+
+def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per data set and arm: each configuration's accuracies over seeds, mean, spread
+    (max - min), and the best configuration by mean."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        arm = out.setdefault(r["dataset"], {}).setdefault(r["arm"], {"configs": {}})
+        config = arm["configs"].setdefault((r["lr"], r["weight_decay"]), {"acc": {}})
+        config["acc"][r["seed"]] = 100 * r["test_accuracy"]
+    for arms in out.values():
+        for arm in arms.values():
+            for config in arm["configs"].values():
+                acc = list(config["acc"].values())
+                config.update(mean=statistics.fmean(acc), spread=max(acc) - min(acc), n=len(acc))
+            arm["best"] = max(arm["configs"], key=lambda c: arm["configs"][c]["mean"])
+    return out
+
+
+def report(summary: dict[str, dict[str, Any]]) -> str:
+    """The summary as markdown, a table per data set; the best configuration in bold."""
+    parts = []
+    for dataset, arms in summary.items():
+        lines = [f"### {dataset}", "", "| arm | lr | weight decay | seeds | mean | spread |"]
+        lines.append("|---|---|---|---|---|---|")
+        for name in [a for a in ARMS if a in arms]:
+            arm = arms[name]
+            for (lr, wd), c in sorted(arm["configs"].items()):
+                best = (lr, wd) == arm["best"]
+                mean = f"**{c['mean']:.2f}%**" if best else f"{c['mean']:.2f}%"
+                lines.append(
+                    f"| {name} | {lr:g} | {wd:g} | {c['n']} | {mean} | {c['spread']:.2f} |"
+                )
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the grid (or only summarises) and prints the summary; returns the failures."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.summarise:
+        print(report(summarise(read_records(args.summarise))))
+        return 0
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    if args.worker_of is not None:  # one of run_workers' processes
+        args.start = float(os.environ.get("EQUAL_EPOCHS_START", args.start))
+        cached = {p: args.worker_of / f"{i}.pt" for i, p in enumerate(args.data)}
+        data = {p: load_data(c) for p, c in cached.items() if c.is_file()}
+        return work(args, args.worker_of / "claims", data)
+    failed = run_workers(args, argv) if args.workers > 1 else work(args, None, {})
+    print(report(summarise(read_records([args.results]))))
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
