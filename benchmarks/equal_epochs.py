@@ -68,6 +68,7 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
 RESULTS = harness.REPO_ROOT / "benchmarks" / "results" / "equal_epochs.jsonl"
 SMOKE_GRID = ("adamw:lr=3e-3:wd=0.05", "curvature_off:lr=3:wd=5e-4", "adafisher_paper:lr=1e-2")
 SMOKE_STEPS = 2
+SWEEP_SEED = 0  # the seed of every learning-rate sweep; the chosen ones run more seeds
 
 
 def parse_spec(spec: str) -> tuple[str, list[float], list[float | None]]:
@@ -226,8 +227,10 @@ def run_workers(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per data set and arm: each configuration's accuracies over seeds, mean, spread
-    (max - min), and the best configuration by mean."""
+    """Per data set and arm: each configuration's accuracies by seed, their mean and
+    spread (max - min), and the chosen configuration: the best at the sweep's seed
+    (:data:`SWEEP_SEED`), whose other seeds then give its mean, with its learning-rate
+    neighbours at the same weight decay."""
     out: dict[str, dict[str, Any]] = {}
     for r in records:
         arm = out.setdefault(r["dataset"], {}).setdefault(r["arm"], {"configs": {}})
@@ -235,27 +238,58 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         config["acc"][r["seed"]] = 100 * r["test_accuracy"]
     for arms in out.values():
         for arm in arms.values():
-            for config in arm["configs"].values():
+            configs = arm["configs"]
+            for config in configs.values():
                 acc = list(config["acc"].values())
                 config.update(mean=statistics.fmean(acc), spread=max(acc) - min(acc), n=len(acc))
-            arm["best"] = max(arm["configs"], key=lambda c: arm["configs"][c]["mean"])
+            swept = [c for c in configs if SWEEP_SEED in configs[c]["acc"]]
+            best = max(swept, key=lambda c: configs[c]["acc"][SWEEP_SEED], default=None)
+            arm["best"] = best
+            if best is not None:
+                lrs = sorted(lr for lr, wd in configs if wd == best[1])
+                i = lrs.index(best[0])
+                arm["neighbours"] = [
+                    configs[(lrs[j], best[1])] if 0 <= j < len(lrs) else None
+                    for j in (i - 1, i + 1)
+                ]
     return out
 
 
 def report(summary: dict[str, dict[str, Any]]) -> str:
-    """The summary as markdown, a table per data set; the best configuration in bold."""
+    """The summary as markdown, per data set: the chosen configuration of each arm, then
+    every run configuration (the chosen one in bold)."""
     parts = []
     for dataset, arms in summary.items():
-        lines = [f"### {dataset}", "", "| arm | lr | weight decay | seeds | mean | spread |"]
-        lines.append("|---|---|---|---|---|---|")
+        names = [a for a in ARMS if a in arms and arms[a]["best"] is not None]
+        lines = [
+            f"### {dataset}",
+            "",
+            "Chosen: the best at seed 0, its mean over seeds; its neighbours at seed 0:",
+            "",
+        ]
+        lines += [
+            "| arm | lr | weight decay | seeds | mean | spread | next lower lr | next higher lr |"
+        ]
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for name in names:
+            arm = arms[name]
+            (lr, wd), c = arm["best"], arm["configs"][arm["best"]]
+            side = [
+                "not run" if n is None else f"{n['acc'].get(SWEEP_SEED, n['mean']):.2f}%"
+                for n in arm["neighbours"]
+            ]
+            lines.append(
+                f"| {name} | {lr:g} | {wd:g} | {c['n']} | {c['mean']:.2f}% | "
+                f"{c['spread']:.2f} | {side[0]} | {side[1]} |"
+            )
+        lines += ["", "Every configuration:", "", "| arm | lr | weight decay | seeds | mean |"]
+        lines.append("|---|---|---|---|---|")
         for name in [a for a in ARMS if a in arms]:
             arm = arms[name]
             for (lr, wd), c in sorted(arm["configs"].items()):
-                best = (lr, wd) == arm["best"]
-                mean = f"**{c['mean']:.2f}%**" if best else f"{c['mean']:.2f}%"
-                lines.append(
-                    f"| {name} | {lr:g} | {wd:g} | {c['n']} | {mean} | {c['spread']:.2f} |"
-                )
+                mean = f"{c['mean']:.2f}%"
+                mean = f"**{mean}**" if (lr, wd) == arm["best"] else mean
+                lines.append(f"| {name} | {lr:g} | {wd:g} | {c['n']} | {mean} |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 

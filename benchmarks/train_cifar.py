@@ -101,6 +101,21 @@ def adaptive_record(controllers: tuple | None, precision_map: Path | None) -> di
     }
 
 
+def preconditioner_spread(optimizer: torch.optim.Optimizer) -> dict[str, float] | None:
+    """How much AdaFisher's preconditioner ``F = g a^T + damping`` varies inside a layer
+    at the end of a run: per Fisher layer max F / min F (the factors are non-negative, so
+    the extremes are the products of the factors' extremes), its median and maximum over
+    the layers. ``None`` for another optimizer."""
+    if not isinstance(optimizer, AdaFisher) or optimizer.collector is None:
+        return None
+    damping = optimizer.defaults["damping"]
+    spreads = sorted(
+        float((ly.g.max() * ly.a.max() + damping) / (ly.g.min() * ly.a.min() + damping))
+        for ly in optimizer.collector.layers.values()
+    )
+    return {"median": spreads[len(spreads) // 2], "max": spreads[-1], "layers": len(spreads)}
+
+
 def load_data(args: argparse.Namespace) -> tuple[ImageTensors, ImageTensors, float]:
     """The training and test images of ``args.data`` (random ones for a smoke run) and
     the seconds their decoding took."""
@@ -189,6 +204,7 @@ def run(
     record.update(decode_seconds=decode_seconds, eval_seconds=eval_seconds)
     record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     record["adaptive_precision"] = adaptive_record(controllers, args.precision_map)
+    record["preconditioner_spread"] = preconditioner_spread(optimizer)
     record["lr_steering_scales"] = None if steering is None else steering.scales
     # fp32 matmuls and convolutions run in TF32 where these are on (torch's defaults are
     # left as they are: off for matmuls, on for cuDNN convolutions)

@@ -391,3 +391,80 @@ def test_bench_commits_smoke(tmp_path):
     }
     assert all(r["train_step_ms"] > 0 and r["optimizer_step_ms"] > 0 for r in rows)
     assert done.stdout.count("\n| ") == len(rows)  # under the header and its rule, a line a row
+
+
+def test_equal_epochs_smoke_appends_resumes_and_summarises(bench, tmp_path, capsys):
+    ee, results = bench("equal_epochs"), tmp_path / "ee.jsonl"
+    assert ee.main(["--smoke", "--results", str(results)]) == 0
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["arm"] for r in records] == ["adamw", "curvature_off", "adafisher_paper"]
+    # each arm trains with its own optimizer and fold rule
+    assert [(r["optimizer"], r["ema"]) for r in records] == [
+        ("adamw", None),
+        ("sgd_ema", None),
+        ("adafisher", "paper"),
+    ]
+    assert all(r["steps"] == ee.SMOKE_STEPS and r["budget_epochs"] == 15 for r in records)
+    # the paper rule's factors vary; no spread is recorded for the other optimizers
+    assert records[0]["preconditioner_spread"] is None
+    assert (
+        records[2]["preconditioner_spread"]["max"]
+        >= records[2]["preconditioner_spread"]["median"]
+        >= 1
+    )
+    assert "| adamw | 0.003 | 0.05 | 1 |" in capsys.readouterr().out
+    # a second call runs only what the file lacks: one more seed of one arm
+    assert (
+        ee.main(
+            [
+                "--smoke",
+                "--results",
+                str(results),
+                "--seeds",
+                "0,1",
+                "--grid",
+                "adamw:lr=3e-3:wd=0.05",
+            ]
+        )
+        == 0
+    )
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["arm"], r["seed"]) for r in records[3:]] == [("adamw", 1)]
+
+
+def _run(arm: str, lr: float, seed: int, accuracy: float, wd: float = 0.05) -> dict:
+    return dict(dataset="c", arm=arm, lr=lr, weight_decay=wd, seed=seed, test_accuracy=accuracy)
+
+
+def test_equal_epochs_summary_chooses_at_the_sweep_seed(bench):
+    ee = bench("equal_epochs")
+    records = [
+        _run("adamw", 1e-3, 0, 0.60),
+        _run("adamw", 2e-3, 0, 0.64),
+        _run("adamw", 2e-3, 1, 0.62),
+        _run("adamw", 4e-3, 0, 0.63),
+        _run("adamw", 4e-3, 1, 0.70),  # a better second seed does not choose it
+        _run("adamw", 2e-3, 0, 0.66, wd=0.1),  # another weight decay: its own neighbours
+    ]
+    arm = ee.summarise(records)["c"]["adamw"]
+    assert arm["best"] == (2e-3, 0.1)
+    assert arm["neighbours"] == [None, None]
+    arm = ee.summarise(records[:5])["c"]["adamw"]
+    assert arm["best"] == (2e-3, 0.05)
+    assert arm["configs"][arm["best"]]["mean"] == pytest.approx(63.0)
+    assert arm["configs"][arm["best"]]["spread"] == pytest.approx(2.0)
+    assert [n["acc"][0] for n in arm["neighbours"]] == [60.0, 63.0]
+    assert "| adamw | 0.002 | 0.05 | 2 | 63.00% | 2.00 | 60.00% | 63.00% |" in ee.report(
+        ee.summarise(records[:5])
+    )
+
+
+@pytest.mark.parametrize("kind", ["sgd", "sgd_ema"])
+def test_sgd_arms(bench, kind):
+    harness = bench("harness")
+    model = torch.nn.Linear(3, 2)
+    opt = harness.make_optimizer(kind, model, lr=0.5, weight_decay=0.0)
+    group = opt.param_groups[0]
+    # sgd: Nesterov; sgd_ema: AdaFisher's momentum, m <- 0.9 m + 0.1 g
+    assert group["momentum"] == 0.9 and group["nesterov"] == (kind == "sgd")
+    assert group["dampening"] == (0.9 if kind == "sgd_ema" else 0.0)
