@@ -1,7 +1,7 @@
 """AdaFisher under FSDP2 (torch's ``fully_shard``) in 2 and 3 CPU processes joined by gloo.
 
 One spawn per world size runs everything that needs the process group: a 250-step sharded
-run compared with one process on the same global batch, a checkpoint at step 190 through
+run compared with one process on the global batch taken whole, a checkpoint at step 190 through
 ``torch.distributed.checkpoint`` resumed in fresh objects, the all-reduce count of every
 optimizer step, what the hooks see, a bf16 mixed-precision run and the row ranges of
 replicated and refused placements.
@@ -26,16 +26,17 @@ from torch import nn
 from hf_triaccel import AdaFisherW
 from hf_triaccel.curvature.sharding import local_rows
 from hf_triaccel.testing import run_distributed
+from tests.distributed.compare import assert_matches
 
 GLOBAL_BATCH = 12
 STEPS = 250
 SAVE_AT = 190
 UPDATE_EVERY = 50  # refreshes at steps 0, 50, 100, 150, 200: the resumed run makes one
 # Per world size, one EMA rule. In both, lr / F <= 0.1 keeps the run contracting, so that
-# rounding differences do not grow (see test_fsdp2_matches_one_process), and the factor
-# product g * a spans most of F, so that a wrong slice of the factors would show: with
-# ema="paper" g and a lie in [0, 1] (F in [0.1, 1.1]); with ema="reference" they settle
-# near 0.01 * gamma / (1 - 0.1 * gamma) < 0.0087 (F in [1e-5, 8.6e-5]).
+# rounding differences do not grow, and the factor product g * a spans most of F, so that
+# a wrong slice of the factors would show: with ema="paper" g and a lie in [0, 1] (F in
+# [0.1, 1.1]); with ema="reference" they settle near 0.01 * gamma / (1 - 0.1 * gamma) <
+# 0.0087 (F in [1e-5, 8.6e-5]).
 HYPER = {
     2: dict(ema="paper", lr=1e-2, damping=0.1),
     3: dict(ema="reference", lr=1e-6, damping=1e-5),
@@ -274,29 +275,21 @@ def _worker(rank: int, world: int) -> dict:
     }
 
 
-def reference(world: int) -> tuple[Net, AdaFisherW, float]:
-    """One process, the same global batch taken as the ranks' shares (micro-batches, each
-    loss divided by their number): the same gradient, and the per-share normalisation
-    statistics that data parallelism averages. Returns the model, its optimizer and the
-    run's path length: the sum over steps of the largest change of any parameter entry."""
+def reference(world: int) -> tuple[Net, AdaFisherW]:
+    """One process on the global batch, taken whole: the model and its optimizer."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = Net().to(DTYPE)
         opt = AdaFisherW.from_model(model, **HYPER[world], **COMMON)
-        path = 0.0
         for step in range(STEPS):
-            for rank in range(world):
-                img, tok, y = share(rank, world, step)
-                (F.cross_entropy(model(img, tok), y) / world).backward()
-            before = [p.detach().clone() for p in model.parameters()]
+            img, tok, y = batch(step)
+            F.cross_entropy(model(img, tok), y).backward()
             opt.step()
             opt.zero_grad()
-            moved = zip(before, model.parameters(), strict=True)
-            path += max((b - p).abs().max().item() for b, p in moved)
     finally:
         torch.set_num_threads(threads)
-    return model, opt, path
+    return model, opt
 
 
 @pytest.fixture(scope="module")
@@ -312,34 +305,16 @@ def sharded(tmp_path_factory):
     return get
 
 
-EPS32 = 2.0**-24
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_matches_one_process(world, sharded):
+    """Parameters and factors within the tolerance of tests/distributed/compare.py of one
+    process on the global batch taken whole; every rank holds the same factors."""
     ranks = sharded(world)
-    model, opt, path = reference(world)
-    # Tolerance. Both runs do the same float64 arithmetic on the same samples except
-    # (i) where the ranks' float32 statistics are summed (the all-reduce adds the shares
-    # in another order than one process adds its micro-batches) and (ii) where the float64
-    # gradients of the shares are averaged (about 1e-16 relative: negligible). The
-    # statistics are sums of non-negative terms, so reordering at most 3 of them moves each
-    # by at most 2 * EPS32 relative, the division by the count by EPS32 / 2 more; the
-    # min-max normalisation and the product g * a each scale a relative error by a small
-    # constant: each step's update may be off by 16 * EPS32 of its size. In a contracting
-    # run (lr / F <= 0.1, see HYPER) such errors add up without growing: after the run the
-    # parameters differ by at most 16 * EPS32 times its path length, the sum over steps of
-    # the largest change of any entry.
-    atol = 16 * EPS32 * path
+    model, opt = reference(world)
     for rank in ranks:
-        for p, q in zip(rank["params"], model.parameters(), strict=True):
-            torch.testing.assert_close(p, q.detach(), rtol=0.0, atol=atol)
-    # The factors of the last refresh come from statistics of parameters within that
-    # bound (relative changes far below EPS32), folded with the rounding above: within
-    # 16 * EPS32 of each vector's largest entry. Every rank holds the same factors.
-    for a, b in zip(ranks[0]["factors"], factors(opt), strict=True):
-        torch.testing.assert_close(a, b, rtol=0.0, atol=16 * EPS32 * float(b.abs().max()))
+        assert_matches(rank["params"], list(model.parameters()), "parameters")
+    assert_matches(ranks[0]["factors"], factors(opt), "factors")
     for rank in ranks[1:]:
         assert all(map(torch.equal, rank["factors"], ranks[0]["factors"]))
 
@@ -387,26 +362,17 @@ def test_what_each_rank_sees_and_holds(world, sharded):
 @pytest.mark.parametrize("world", [2, 3])
 def test_elastic_batch_under_fsdp2(world, sharded):
     """The ranks agree on the smallest proposal and run their shares in pieces of it: the
-    same as one process taking every rank's pieces as micro-batches, each loss weighted
-    by its share of the global batch (tolerance as in test_fsdp2_matches_one_process)."""
+    same as one process on the global batch taken whole (tolerance of
+    tests/distributed/compare.py)."""
     ranks = sharded(world)
     m = ranks[0]["elastic"]["micro_batch"]
     assert [r["elastic"]["agreed"] for r in ranks] == [2] * world and m == 2
     model = Net().to(DTYPE)
     opt = AdaFisherW.from_model(model, **HYPER[world], **{**COMMON, "update_every": 1})
-    n, path = GLOBAL_BATCH // world, 0.0
     for step in range(ELASTIC_STEPS):
-        for rank in range(world):
-            img, tok, y = share(rank, world, step)
-            for s in range(0, n, m):
-                piece = slice(s, min(s + m, n))
-                loss = F.cross_entropy(model(img[piece], tok[piece]), y[piece])
-                (loss * (piece.stop - piece.start) / n / world).backward()
-        before = [p.detach().clone() for p in model.parameters()]
+        img, tok, y = batch(step)
+        F.cross_entropy(model(img, tok), y).backward()
         opt.step()
         opt.zero_grad()
-        moved = zip(before, model.parameters(), strict=True)
-        path += max((b - p).abs().max().item() for b, p in moved)
     for rank in ranks:
-        for p, q in zip(rank["elastic"]["params"], model.parameters(), strict=True):
-            torch.testing.assert_close(p, q.detach(), rtol=0.0, atol=16 * EPS32 * path)
+        assert_matches(rank["elastic"]["params"], list(model.parameters()), "parameters")
