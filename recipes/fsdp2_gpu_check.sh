@@ -7,15 +7,29 @@
 # "OK:" lines. Logs and a summary go to $OUT (default outputs/fsdp2_gpu_check).
 #
 #   bash recipes/fsdp2_gpu_check.sh                # from anywhere
+#   bash recipes/fsdp2_gpu_check.sh --timing       # step times instead (a few minutes)
 # An installed package is used as it is; an uninstalled checkout is assembled in a scratch
 # folder, with `datasets` installed from wheels in .whl/ where it is missing.
+#
+# --timing runs, instead of the checks, the Accelerate loop for $TIME_STEPS steps of each
+# model of $TIME_MODELS (name:FSDP unit class) and prints its mean step time after the
+# warm-up steps: under one-GPU FSDP2 in each channels_last arrangement
+# (HF_TRIACCEL_FSDP2_CHANNELS_LAST=inputs, weights), under FSDP2 without channels_last
+# (--nchw), and on one GPU without FSDP (bf16 too). The "step time" lines go to the summary.
 set -u
 cd "$(dirname "$0")/.."
+TIMING=0
+if [ "${1:-}" = "--timing" ]; then TIMING=1; fi
+TIME_STEPS="${TIME_STEPS:-60}"
+TIME_MODELS="${TIME_MODELS:-vit_base_patch16_224:Block resnet50:Bottleneck}"
 OUT="${OUT:-outputs/fsdp2_gpu_check}"
 mkdir -p "$OUT"
-if command -v accelerate >/dev/null; then LAUNCH=(accelerate launch); else
-    LAUNCH=(python -m accelerate.commands.launch); fi
-LAUNCH+=(--config_file recipes/fsdp2_config.yaml --num_processes 1)
+if command -v accelerate >/dev/null; then ACCELERATE=(accelerate launch); else
+    ACCELERATE=(python -m accelerate.commands.launch); fi
+LAUNCH=("${ACCELERATE[@]}" --config_file recipes/fsdp2_config.yaml --num_processes 1)
+# the same process count and bf16 mixed precision, without FSDP
+PLAIN=("${ACCELERATE[@]}" --num_processes 1 --num_machines 1 --mixed_precision bf16
+    --dynamo_backend no)
 status=0
 
 # An uninstalled checkout: the package assembled as pyproject.toml installs it (kernels/ and
@@ -46,8 +60,35 @@ stage() {  # stage NAME SECONDS ARGS...: one launch of the recipe
 python -c "import torch, transformers, accelerate, timm; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'timm', \
 timm.__version__)" 2>&1 | tee -a "$OUT/summary.txt"
-stage accelerate 45 --smoke --output_dir "$OUT/accelerate_run"
-stage trainer 45 --smoke --trainer --output_dir "$OUT/trainer_run"
-rm -rf "$OUT/accelerate_run" "$OUT/trainer_run"  # the checkpoints: gigabytes, not evidence
+timed() {  # timed NAME COMMAND...: one timing run, its "step time" line into the summary
+    local name=$1
+    shift
+    echo "== $name: $*" | tee -a "$OUT/summary.txt"
+    timeout 300 "$@" --max_steps "$TIME_STEPS" --output_dir "$OUT/timing_run" 2>&1 \
+        | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    grep '^step time: ' "$OUT/$name.log" | sed "s/^/== $name: /" | tee -a "$OUT/summary.txt"
+    echo "== $name: exit $rc" | tee -a "$OUT/summary.txt"
+    if [ "$rc" -ne 0 ]; then status=1; fi
+}
+
+if [ "$TIMING" -eq 0 ]; then
+    stage accelerate 45 --smoke --output_dir "$OUT/accelerate_run"
+    stage trainer 45 --smoke --trainer --output_dir "$OUT/trainer_run"
+    rm -rf "$OUT/accelerate_run" "$OUT/trainer_run"  # the checkpoints: gigabytes, not evidence
+fi
+if [ "$TIMING" -eq 1 ]; then
+    for entry in $TIME_MODELS; do
+        model=${entry%%:*}
+        sharded=("${LAUNCH[@]}" --fsdp_transformer_layer_cls_to_wrap "${entry#*:}")
+        for layout in inputs weights; do
+            timed "${model}_fsdp2_$layout" env HF_TRIACCEL_FSDP2_CHANNELS_LAST=$layout \
+                "${sharded[@]}" recipes/fsdp2_vit.py --model "$model"
+        done
+        timed "${model}_fsdp2_nchw" "${sharded[@]}" recipes/fsdp2_vit.py --model "$model" --nchw
+        timed "${model}_no_fsdp" "${PLAIN[@]}" recipes/fsdp2_vit.py --model "$model"
+    done
+    rm -rf "$OUT/timing_run"
+fi
 echo "== $([ $status -eq 0 ] && echo PASSED || echo FAILED)" | tee -a "$OUT/summary.txt"
 exit $status

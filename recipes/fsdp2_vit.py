@@ -1,4 +1,4 @@
-"""Train a ViT-B/16 (timm, built from its configuration) with AdaFisherW under FSDP2.
+"""Train a ViT-B/16 (or another timm model: --model) with AdaFisherW under FSDP2.
 
 The parameters are sharded by rows over the processes (``torch.distributed.fsdp.fully_shard``
 through Accelerate, ``fsdp_version: 2``): each process keeps its rows and their momentum,
@@ -20,6 +20,17 @@ decoded once, kept on the device and resized to the model's input size on the de
 ``--smoke`` trains 6 steps with a refresh every 2, saves the run at step 3 (Accelerate's
 ``save_state``, or a Trainer checkpoint), and checks that loading it restores AdaFisher's
 state: the refresh schedule and the Fisher factors. It prints one ``OK`` line per check.
+
+Layout: the Accelerate loop puts the model and its batches in channels_last (the helper's
+default). Under FSDP2 the parameters stay contiguous (``fully_shard`` refuses others) and
+the ``HF_TRIACCEL_FSDP2_CHANNELS_LAST`` environment variable picks the arrangement
+(``inputs`` or ``weights``: :mod:`hf_triaccel.integrations.layout`); ``--nchw`` keeps the
+default layout throughout. The loop prints its mean step time after ``WARMUP_STEPS``, for
+timing the arrangements against each other and against a run without FSDP (``bash
+recipes/fsdp2_gpu_check.sh --timing`` runs them all, for a ViT and a ResNet)::
+
+    HF_TRIACCEL_FSDP2_CHANNELS_LAST=weights accelerate launch --config_file \\
+        recipes/fsdp2_config.yaml --num_processes 1 recipes/fsdp2_vit.py --max_steps 60
 """
 
 from __future__ import annotations
@@ -37,6 +48,11 @@ from torch import nn
 
 from hf_triaccel import TriAccelArguments, TriAccelPlugin, TriAccelTrainer, prepare_triaccel
 from hf_triaccel.data import GPUBatchLoader, ImageTensors, load_image_dataset
+from hf_triaccel.integrations.layout import fsdp2_layout, shards_with_fsdp2
+
+# Steps left out of the reported step time: the first forwards' kernel selection and the
+# first Fisher refresh.
+WARMUP_STEPS = 5
 
 
 class Resized(nn.Module):
@@ -72,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trainer", action="store_true", help="TriAccelTrainer's loop")
     parser.add_argument("--smoke", action="store_true", help="6 steps and checkpoint checks")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU")
+    parser.add_argument("--nchw", action="store_true", help="no channels_last (Accelerate loop)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.max_steps, args.update_every = 6, 2
@@ -83,11 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
+    """The timm model (a ViT sized by ``--img_size`` and ``--patch_size``; a convolutional
+    net, which takes any input size, as it is) behind :class:`Resized`."""
     torch.manual_seed(args.seed)
     extra = {} if args.patch_size is None else {"patch_size": args.patch_size}
-    model = timm.create_model(
-        args.model, pretrained=False, num_classes=num_classes, img_size=args.img_size, **extra
-    )
+    if "vit" in args.model:
+        extra["img_size"] = args.img_size
+    model = timm.create_model(args.model, pretrained=False, num_classes=num_classes, **extra)
     return Resized(model, args.img_size)
 
 
@@ -103,11 +122,18 @@ def accelerate_loop(args: argparse.Namespace, train: ImageTensors, test: ImageTe
     accelerator = Accelerator(cpu=args.cpu)
     rank, world = accelerator.process_index, accelerator.num_processes
     plugin = TriAccelPlugin(
-        lr=args.lr, weight_decay=args.weight_decay, update_every=args.update_every
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        update_every=args.update_every,
+        channels_last=not args.nchw,
     )
     run = prepare_triaccel(accelerator, build_model(args, train.num_classes), plugin)
     optimizer = run.optimizer.optimizer  # AdaFisherW, inside Accelerate's wrapper
     accelerator.print(f"distributed: {accelerator.distributed_type.value}, {world} process(es)")
+    layout = "nchw" if not run.channels_last else "channels_last"
+    if run.channels_last and shards_with_fsdp2():
+        layout += f" (FSDP2 arrangement: {fsdp2_layout()})"
+    accelerator.print(f"layout: {layout}")
 
     # every process draws the same global batch and takes its share
     loader = GPUBatchLoader(
@@ -116,17 +142,20 @@ def accelerate_loop(args: argparse.Namespace, train: ImageTensors, test: ImageTe
     )  # fmt: skip
     total = args.max_steps or int(args.epochs * len(loader))
     step, start = 0, time.perf_counter()
-    saved = None
+    saved = timed = None
     while step < total:
         for images, labels in loader:
             share = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
             for group in optimizer.param_groups:
                 group["lr"] = args.lr * schedule(step, total, args.warmup)
-            loss = F.cross_entropy(run.model(images[share]), labels[share], label_smoothing=0.1)
+            logits = run.model(run.batch(images[share]))
+            loss = F.cross_entropy(logits, labels[share], label_smoothing=0.1)
             accelerator.backward(loss)
             run.optimizer.step()
             run.optimizer.zero_grad()
             step += 1
+            if step == WARMUP_STEPS:
+                timed = _now(accelerator)
             if step % 20 == 0 or step == total:
                 rate = step * args.batch_size * world / (time.perf_counter() - start)
                 accelerator.print(f"step {step}/{total} loss {loss.item():.4f} {rate:.0f} img/s")
@@ -135,6 +164,9 @@ def accelerate_loop(args: argparse.Namespace, train: ImageTensors, test: ImageTe
                 saved = (optimizer.fisher_steps, _factors(run.collector))
             if step == total:
                 break
+    if timed is not None and total > WARMUP_STEPS:
+        ms = 1000 * (_now(accelerator) - timed) / (total - WARMUP_STEPS)
+        accelerator.print(f"step time: {ms:.1f} ms (steps {WARMUP_STEPS + 1}-{total}), {layout}")
     accelerator.print(f"test accuracy {evaluate(accelerator, run.model, train, test):.4f}")
     if torch.cuda.is_available() and not args.cpu:
         peak = torch.cuda.max_memory_allocated() / 2**30
@@ -147,6 +179,13 @@ def accelerate_loop(args: argparse.Namespace, train: ImageTensors, test: ImageTe
         accelerator.print("OK: Accelerate save_state/load_state restores AdaFisher's state")
         accelerator.print(f"OK: prepare_triaccel trained {step} steps under {_mode(accelerator)}")
     accelerator.end_training()
+
+
+def _now(accelerator: Accelerator) -> float:
+    """The time once the device has finished the work queued so far."""
+    if accelerator.device.type == "cuda":
+        torch.cuda.synchronize(accelerator.device)
+    return time.perf_counter()
 
 
 def _factors(collector) -> list[torch.Tensor]:

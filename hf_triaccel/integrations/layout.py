@@ -10,18 +10,36 @@ A channels-last convolution weight is not contiguous, and safetensors refuses to
 non-contiguous tensors: every save path goes through :func:`contiguous_weights`, which
 gives the weights plain row-major storage while they are written (files then load into
 either layout).
+
+FSDP2's ``fully_shard`` refuses non-contiguous parameters, and gathers the ones it shards
+into contiguous storage for each forward: under FSDP2 the parameters stay contiguous, and
+convolutions run in channels_last in one of two arrangements (``FSDP2_LAYOUTS``, chosen
+by the ``HF_TRIACCEL_FSDP2_CHANNELS_LAST`` environment variable):
+
+* ``"inputs"`` (the default): the weights stay contiguous and the image batches are
+  channels_last; a convolution follows its input's memory format and converts the
+  weight itself;
+* ``"weights"``: the format applied after sharding: besides, each 2-D convolution takes a
+  channels-last copy of its weight as FSDP2 gathered it, in its forward
+  (:class:`ChannelsLastWeights`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 _CONVOLUTIONS = (nn.Conv2d, nn.ConvTranspose2d)  # timm's and transformers' subclass these
+
+FSDP2_LAYOUTS = ("inputs", "weights")
+FSDP2_LAYOUT_VARIABLE = "HF_TRIACCEL_FSDP2_CHANNELS_LAST"
+DEFAULT_FSDP2_LAYOUT = "inputs"
 
 
 def has_conv2d(model: nn.Module) -> bool:
@@ -37,33 +55,135 @@ def has_conv2d(model: nn.Module) -> bool:
     return any(isinstance(m, _CONVOLUTIONS) for m in model.modules())
 
 
-def to_channels_last(model: nn.Module) -> bool:
+def to_channels_last(
+    model: nn.Module, *, fsdp2: bool | None = None, layout: str | None = None
+) -> bool:
     """Puts the 4-D parameters and buffers of a model with a 2-D convolution in
     ``torch.channels_last``, in place (the parameter objects stay the same, so an
     optimizer built on them keeps working); a model without one is left as it is.
 
     Only 4-D tensors change: ``model.to(memory_format=torch.channels_last)`` would refuse
-    a model that also holds 5-D tensors (3-D convolutions).
+    a model that also holds 5-D tensors (3-D convolutions). Parameters already sharded by
+    FSDP2 (DTensors) are left to it.
+
+    Args:
+        model: the model, converted in place.
+        fsdp2: whether the model is, or will be, sharded with FSDP2 (default:
+            :func:`shards_with_fsdp2`). Its parameters then stay contiguous, as
+            ``fully_shard`` requires, and the arrangement ``layout`` applies.
+        layout: under FSDP2, one of ``FSDP2_LAYOUTS`` (default: :func:`fsdp2_layout`).
+            ``"weights"`` attaches :class:`ChannelsLastWeights` to the convolutions.
 
     Returns:
-        Whether the model has a 2-D convolution (and is now channels-last).
+        Whether the model has a 2-D convolution: whether its batches are to be
+        channels-last.
 
     Example:
         >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
-        >>> to_channels_last(model), model[0].weight.is_contiguous()
+        >>> to_channels_last(model, fsdp2=False), model[0].weight.is_contiguous()
         (True, False)
         >>> model[0].weight.is_contiguous(memory_format=torch.channels_last)
         True
         >>> to_channels_last(nn.Linear(4, 2))
         False
+        >>> sharded = nn.Conv2d(3, 4, 3)
+        >>> to_channels_last(sharded, fsdp2=True, layout="inputs"), sharded.weight.is_contiguous()
+        (True, True)
     """
+    if layout is not None and layout not in FSDP2_LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {FSDP2_LAYOUTS}")
     if not has_conv2d(model):
         return False
+    fsdp2 = shards_with_fsdp2() if fsdp2 is None else fsdp2
+    tensors = list(model.buffers()) if fsdp2 else [*model.parameters(), *model.buffers()]
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.dim() == 4 and not tensor.is_contiguous(memory_format=torch.channels_last):
+        for tensor in tensors:
+            if tensor.dim() != 4 or isinstance(tensor, DTensor):
+                continue
+            if not tensor.is_contiguous(memory_format=torch.channels_last):
                 tensor.data = tensor.data.contiguous(memory_format=torch.channels_last)
+    if fsdp2 and (layout or fsdp2_layout()) == "weights":
+        ChannelsLastWeights.attach(model)
     return True
+
+
+def shards_with_fsdp2() -> bool:
+    """Whether this run shards its model with FSDP2 (``torch.distributed.fsdp.fully_shard``)
+    as Accelerate is set up: the initialised Accelerate state, else the environment
+    ``accelerate launch`` sets for an FSDP configuration (``ACCELERATE_USE_FSDP=true``,
+    ``FSDP_VERSION=2``).
+
+    Example:
+        >>> shards_with_fsdp2()  # a process no FSDP launch set up
+        False
+    """
+    try:
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DistributedType
+    except ImportError:
+        AcceleratorState = None
+    if AcceleratorState is not None and AcceleratorState._shared_state:
+        state = AcceleratorState()
+        plugin = getattr(state, "fsdp_plugin", None)
+        version = getattr(plugin, "fsdp_version", 1)
+        return state.distributed_type == DistributedType.FSDP and version == 2
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return fsdp and os.environ.get("FSDP_VERSION", "1") == "2"
+
+
+def fsdp2_layout() -> str:
+    """The channels_last arrangement under FSDP2: the ``HF_TRIACCEL_FSDP2_CHANNELS_LAST``
+    environment variable, else ``DEFAULT_FSDP2_LAYOUT`` (see the module doc).
+
+    Example:
+        >>> fsdp2_layout() in FSDP2_LAYOUTS
+        True
+    """
+    layout = os.environ.get(FSDP2_LAYOUT_VARIABLE, DEFAULT_FSDP2_LAYOUT)
+    if layout not in FSDP2_LAYOUTS:
+        raise ValueError(f"{FSDP2_LAYOUT_VARIABLE}={layout!r} is not one of {FSDP2_LAYOUTS}")
+    return layout
+
+
+class ChannelsLastWeights:
+    """Forward pre-hook and hook of a 2-D convolution whose parameters must stay
+    contiguous (FSDP2): its forward computes with a channels-last copy of the weight as the
+    module holds it then (under FSDP2 the gathered parameter), put back when the forward
+    ends, even by an error. The copy is part of the autograd graph, so the weight's
+    gradient comes back in the parameter's own layout.
+
+    Example:
+        >>> conv = nn.Conv2d(3, 4, 3)
+        >>> ChannelsLastWeights.attach(conv)
+        >>> seen = []
+        >>> _ = conv.register_forward_pre_hook(lambda m, args: seen.append(m.weight.stride()))
+        >>> _ = conv(torch.zeros(1, 3, 5, 5))
+        >>> seen, conv.weight.is_contiguous()
+        ([(27, 1, 9, 3)], True)
+    """
+
+    def __init__(self) -> None:
+        self.held: torch.Tensor | None = None
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> None:
+        """Hooks every 2-D convolution of ``model`` that has none yet."""
+        for module in model.modules():
+            if isinstance(module, _CONVOLUTIONS) and not any(
+                isinstance(getattr(h, "__self__", None), cls)
+                for h in module._forward_pre_hooks.values()
+            ):
+                hook = cls()
+                module.register_forward_pre_hook(hook.before)
+                module.register_forward_hook(hook.after, always_call=True)
+
+    def before(self, module: nn.Module, args: tuple) -> None:
+        self.held = module._parameters["weight"]
+        module._parameters["weight"] = self.held.contiguous(memory_format=torch.channels_last)
+
+    def after(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.held is not None:
+            module._parameters["weight"], self.held = self.held, None
 
 
 def channels_last_batch(batch: Any) -> Any:

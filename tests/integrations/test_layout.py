@@ -221,3 +221,98 @@ def test_prepare_triaccel_puts_a_conv_model_in_channels_last():
     )
     assert not off.channels_last and all(w.is_contiguous() for w in conv_weights(off.model))
     assert off.batch(torch.randn(2, 3, 8, 8)).is_contiguous()
+
+
+# -- FSDP2 ------------------------------------------------------------------------------
+
+
+class PatchNet(nn.Module):
+    """A ViT-style patch embedding (a strided 2-D convolution) and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.patch = nn.Conv2d(3, 8, 4, stride=4)
+        self.head = nn.Linear(8 * 16, 3)
+
+    def forward(self, x):
+        return self.head(self.patch(x).flatten(1))
+
+
+def _layout_batches():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, 16, 16, generator=gen), torch.arange(4) % 3) for _ in range(3)]
+
+
+def _train(model: nn.Module, channels_last: bool) -> None:
+    from hf_triaccel import AdaFisherW
+
+    opt = AdaFisherW.from_model(model, update_every=1)
+    for x, y in _layout_batches():
+        x = channels_last_batch(x) if channels_last else x
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _fsdp2_runs(rank: int, world: int) -> dict:
+    """The default conversion (the run's environment says FSDP2) then ``fully_shard``, in
+    each arrangement; and a conversion of a model already sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_triaccel.integrations.layout import fsdp2_layout, shards_with_fsdp2
+
+    out = {"detected": shards_with_fsdp2(), "default": fsdp2_layout()}
+    for layout in ("inputs", "weights"):
+        model = PatchNet()
+        assert to_channels_last(model, layout=layout)  # before sharding, as prepare_triaccel
+        fully_shard(model)
+        seen: list[tuple[int, ...]] = []
+        model.patch.register_forward_pre_hook(
+            lambda m, args, seen=seen: seen.append(m.weight.stride())
+        )
+        _train(model, channels_last=True)
+        out[layout] = {
+            "params": [p.full_tensor() for p in model.parameters()],
+            "weight_seen": seen[0],
+            "contiguous": model.patch.weight.to_local().is_contiguous(),
+        }
+    late = fully_shard(PatchNet())
+    assert to_channels_last(late)  # after sharding: the DTensors are FSDP2's
+    out["late_contiguous"] = late.patch.weight.to_local().is_contiguous()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_shards_a_model_under_the_channels_last_default(tmp_path, monkeypatch):
+    """``fully_shard`` refuses non-contiguous parameters: under FSDP2 the default keeps them
+    contiguous and trains as the unsharded model in the default layout, in either
+    arrangement; ``"weights"`` hands the convolution a channels-last copy of its weight."""
+    from hf_triaccel.testing import run_distributed
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # as accelerate launch sets them
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.delenv("HF_TRIACCEL_FSDP2_CHANNELS_LAST", raising=False)
+    (run,) = run_distributed(_fsdp2_runs, 1, tmp_path)
+    assert run["detected"] and run["default"] == "inputs"
+    plain = PatchNet()
+    _train(plain, channels_last=False)
+    for layout in ("inputs", "weights"):
+        assert run[layout]["contiguous"]
+        for p, q in zip(run[layout]["params"], plain.parameters(), strict=True):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+    assert run["inputs"]["weight_seen"] == (48, 16, 4, 1)  # the gathered, contiguous weight
+    assert run["weights"]["weight_seen"] == (48, 1, 12, 3)  # its channels-last copy
+    assert run["late_contiguous"]
+
+
+def test_fsdp2_layout_is_chosen_by_its_variable(monkeypatch):
+    from hf_triaccel.integrations.layout import fsdp2_layout
+
+    monkeypatch.setenv("HF_TRIACCEL_FSDP2_CHANNELS_LAST", "weights")
+    assert fsdp2_layout() == "weights"
+    monkeypatch.setenv("HF_TRIACCEL_FSDP2_CHANNELS_LAST", "sideways")
+    with pytest.raises(ValueError, match="HF_TRIACCEL_FSDP2_CHANNELS_LAST='sideways'"):
+        fsdp2_layout()
+    with pytest.raises(ValueError, match="layout='sideways'"):
+        to_channels_last(PatchNet(), fsdp2=True, layout="sideways")
