@@ -2,8 +2,9 @@
 
 A :class:`FisherRule` knows, for one kind of module, the lengths of its two factor
 vectors (``a`` from the layer input, ``g`` from the gradient of its output), how to
-write one micro-batch's statistic of each into a caller's buffer, and how each of the
-module's parameters indexes the two vectors (:class:`FactorLayout`).
+write one micro-batch's sums for each into a caller's buffer and how the step's sums
+become the statistic (:mod:`~hf_triaccel.curvature.finish`), and how each of the module's
+parameters indexes the two vectors (:class:`FactorLayout`).
 
 The preconditioner entry for flat element ``k`` of a parameter is::
 
