@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from hf_triaccel.curvature.sharding import is_sharded
 
 _CONVOLUTIONS = (nn.Conv2d, nn.ConvTranspose2d)  # timm's and transformers' subclass these
 
@@ -98,7 +99,7 @@ def to_channels_last(
     tensors = list(model.buffers()) if fsdp2 else [*model.parameters(), *model.buffers()]
     with torch.no_grad():
         for tensor in tensors:
-            if tensor.dim() != 4 or isinstance(tensor, DTensor):
+            if tensor.dim() != 4 or is_sharded(tensor):
                 continue
             if not tensor.is_contiguous(memory_format=torch.channels_last):
                 tensor.data = tensor.data.contiguous(memory_format=torch.channels_last)
@@ -118,11 +119,11 @@ def shards_with_fsdp2() -> bool:
         False
     """
     try:
-        from accelerate.state import AcceleratorState
+        from accelerate.state import AcceleratorState, is_initialized
         from accelerate.utils import DistributedType
-    except ImportError:
+    except ImportError:  # accelerate is optional
         AcceleratorState = None
-    if AcceleratorState is not None and AcceleratorState._shared_state:
+    if AcceleratorState is not None and is_initialized():
         state = AcceleratorState()
         plugin = getattr(state, "fsdp_plugin", None)
         version = getattr(plugin, "fsdp_version", 1)
