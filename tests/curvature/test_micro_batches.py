@@ -71,6 +71,7 @@ CASES = {
     "conv2d_channels_last": (lambda: nn.Conv2d(4, 5, 3, padding=1), channels_last, False),
     "conv3d": (lambda: nn.Conv3d(2, 3, 2, padding=1), images(2, 3, 4, 3), False),
     "timm_conv2d_same": (lambda: _timm("Conv2dSame", 3, 4, 3, 2), images(3, 8, 6), False),
+    "timm_std_conv2d_same": (lambda: _timm("StdConv2dSame", 3, 4, 3, 2), images(3, 8, 6), False),
     "batchnorm1d": (lambda: nn.BatchNorm1d(4), images(4), False),
     "batchnorm2d": (lambda: nn.BatchNorm2d(4), images(4, 5, 3), False),
     "timm_batchnormact2d": (lambda: _timm("BatchNormAct2d", 4), images(4, 5, 3), True),
