@@ -220,3 +220,33 @@ def test_uneven_micro_batches_are_weighted_by_samples():
     expected = (410 * 1.0 + 102 * 9.0) / 512
     torch.testing.assert_close(a, torch.tensor([expected] * 3 + [1.0]))
     torch.testing.assert_close(g, torch.ones(2))
+
+
+def _norm_a(pieces: list[torch.Tensor], positions: int) -> torch.Tensor:
+    """A LayerNorm's ``a`` over pieces of (B_j, T_j, D) inputs: per-position sums (wrapped
+    modulo ``positions``, shorter pieces adding to the first positions), then squared."""
+    sums = torch.zeros(positions, dtype=torch.float64)
+    n = sum(len(x) for x in pieces)
+    for x in pieces:
+        u = x.double().sum((0, 2)) / x.shape[2] ** 2
+        sums.index_add_(0, torch.arange(len(u)) % positions, u)
+    mean_length = sum(len(x) * x.shape[1] for x in pieces) / n
+    return torch.stack([(sums / n).square().sum(), torch.tensor(mean_length / n**2)])
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_sequences_of_several_lengths(wrap, monkeypatch):
+    """Pieces of different lengths add position by position, the shorter zero-padded, and
+    the size entry takes the mean length; past ``POSITIONS`` positions wrap around."""
+    from hf_triaccel.curvature.rules import norm
+
+    positions = 4 if wrap else norm.POSITIONS
+    monkeypatch.setattr(norm, "POSITIONS", positions)
+    ln = nn.LayerNorm(3)  # fewer features than positions: the positions are POSITIONS
+    collector = FisherCollector(ln, impl="reference")
+    gen = torch.Generator().manual_seed(8)
+    pieces = [torch.randn(3, 7, 3, generator=gen), torch.randn(5, 2, 3, generator=gen)]
+    for x in pieces:
+        ln(x).sum().backward()
+    a, _ = collector.layers[""].statistics()
+    torch.testing.assert_close(a.double(), _norm_a(pieces, positions), rtol=1e-6, atol=0)

@@ -132,3 +132,34 @@ def test_processes_match_one_process_on_the_global_batch(world, mode, ema, runs,
         got_params, got_factors = rank[f"{mode}/{ema}"]
         assert_matches(got_params, params, f"{mode} parameters")
         assert_matches(got_factors, fisher, f"{mode} factors")
+
+
+def _lengths_worker(rank: int, world: int) -> list[torch.Tensor]:
+    """Each rank's tokens padded to its own length (as dynamic padding does)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
+    opt = AdaFisherW.from_model(model, update_every=1)
+    model(_tokens(rank)).square().mean().backward()
+    opt.step()
+    return factors(opt)
+
+
+def _tokens(rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rank)
+    return torch.randn(3, 5 + 4 * rank, 4, generator=gen)
+
+
+@pytest.mark.timeout(60)
+def test_processes_with_different_sequence_lengths(tmp_path):
+    """A LayerNorm's activation sums per position keep one length on every process, so
+    ranks whose sequences differ in length still meet in the all-reduce; their factors are
+    those of one process taking both ranks' batches as micro-batches."""
+    ranks = run_distributed(_lengths_worker, 2, tmp_path)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
+    opt = AdaFisherW.from_model(model, update_every=1)
+    for rank in range(2):  # each loss a mean over its rank's share, halved: DDP's average
+        (model(_tokens(rank)).square().mean() / 2).backward()
+    opt.step()
+    for rank in ranks:
+        assert_matches(rank, factors(opt), "factors")
