@@ -432,19 +432,19 @@ def test_equal_epochs_smoke_appends_resumes_and_summarises(bench, tmp_path, caps
     assert [(r["arm"], r["seed"]) for r in records[3:]] == [("adamw", 1)]
 
 
-def _run(arm: str, lr: float, seed: int, accuracy: float, wd: float = 0.05) -> dict:
+def _grid_run(arm: str, lr: float, seed: int, accuracy: float, wd: float = 0.05) -> dict:
     return dict(dataset="c", arm=arm, lr=lr, weight_decay=wd, seed=seed, test_accuracy=accuracy)
 
 
 def test_equal_epochs_summary_chooses_at_the_sweep_seed(bench):
     ee = bench("equal_epochs")
     records = [
-        _run("adamw", 1e-3, 0, 0.60),
-        _run("adamw", 2e-3, 0, 0.64),
-        _run("adamw", 2e-3, 1, 0.62),
-        _run("adamw", 4e-3, 0, 0.63),
-        _run("adamw", 4e-3, 1, 0.70),  # a better second seed does not choose it
-        _run("adamw", 2e-3, 0, 0.66, wd=0.1),  # another weight decay: its own neighbours
+        _grid_run("adamw", 1e-3, 0, 0.60),
+        _grid_run("adamw", 2e-3, 0, 0.64),
+        _grid_run("adamw", 2e-3, 1, 0.62),
+        _grid_run("adamw", 4e-3, 0, 0.63),
+        _grid_run("adamw", 4e-3, 1, 0.70),  # a better second seed does not choose it
+        _grid_run("adamw", 2e-3, 0, 0.66, wd=0.1),  # another weight decay: its own neighbours
     ]
     arm = ee.summarise(records)["c"]["adamw"]
     assert arm["best"] == (2e-3, 0.1)
