@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# AdaFisher under FSDP2 on one GPU, in about a minute: the recipe's smoke mode launched as a
+# AdaFisher under FSDP2 on one GPU, in a minute or two: the recipe's smoke mode launched as a
 # one-process FSDP2 run (recipes/fsdp2_config.yaml), once through the Accelerate helper
 # (prepare_triaccel) and once through TriAccelTrainer. Each trains ViT-B/16 for 6 steps
 # with a Fisher refresh every 2, saves at step 3 and checks that loading restores
-# AdaFisher's state; each stage runs under `timeout` and passes with exit status 0 and two
+# AdaFisher's state; each stage runs under `timeout` (120 s: on a fresh machine the first
+# stage also compiles the Triton kernels) and passes with exit status 0 and two
 # "OK:" lines. Logs and a summary go to $OUT (default outputs/fsdp2_gpu_check).
 #
 #   bash recipes/fsdp2_gpu_check.sh                # from anywhere
@@ -73,8 +74,8 @@ timed() {  # timed NAME COMMAND...: one timing run, its "step time" line into th
 }
 
 if [ "$TIMING" -eq 0 ]; then
-    stage accelerate 45 --smoke --output_dir "$OUT/accelerate_run"
-    stage trainer 45 --smoke --trainer --output_dir "$OUT/trainer_run"
+    stage accelerate 120 --smoke --output_dir "$OUT/accelerate_run"
+    stage trainer 120 --smoke --trainer --output_dir "$OUT/trainer_run"
     rm -rf "$OUT/accelerate_run" "$OUT/trainer_run"  # the checkpoints: gigabytes, not evidence
 fi
 if [ "$TIMING" -eq 1 ]; then

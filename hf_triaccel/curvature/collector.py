@@ -224,6 +224,21 @@ class FisherCollector:
                     index.setdefault(p, (layer, attr))
         return index
 
+    def follow_parameters(self) -> None:
+        """Moves each layer's tensors to where its parameters are, as the hooks do at a
+        forward: for an update that comes before any hooked forward (a model moved, or a
+        checkpoint loaded, since the last refresh).
+
+        Example:
+            >>> collector = FisherCollector(nn.Linear(3, 2))
+            >>> collector.follow_parameters()  # already there: nothing moves
+            >>> collector.generation
+            0
+        """
+        for layer in self.layers.values():
+            if layer.follow(getattr(layer.module, layer.anchor).device):
+                self.generation += 1  # whoever cached the factors' addresses
+
     def param_factors(self) -> dict[torch.Tensor, ParamFactors]:
         """The factors of every parameter the collector covers, by identity of the
         parameter as its module holds it now. A parameter sharded by rows (a DTensor of

@@ -225,12 +225,14 @@ class AdaFisher(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         collector = self.collector
+        groups = self.param_groups
+        if len(self._plans) != len(groups):  # a first step, or state loaded since the last
+            if collector is not None:  # factors built or restored away from their parameters
+                collector.follow_parameters()
+            self._plans = [None] * len(groups)
         if collector is not None and collector.collecting:
             collector.fold(self.gamma)
         generation = 0 if collector is None else collector.generation
-        groups = self.param_groups
-        if len(self._plans) != len(groups):
-            self._plans = [None] * len(groups)
         for i, group in enumerate(groups):
             params = group["params"]
             grads = list(map(_grad_of, params))

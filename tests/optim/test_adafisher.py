@@ -549,3 +549,36 @@ def test_collector_ema_mismatch_raises():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="ema"):
         AdaFisher(model.parameters(), FisherCollector(model, ema="paper"))
+
+
+@pytest.mark.gpu
+def test_a_run_resumed_between_refreshes_updates_with_factors_on_the_gpu():
+    """A resumed run builds its model and optimizer on the CPU, moves the model, loads the
+    state, and its first step is no refresh: no hook has moved the factors yet."""
+
+    def build() -> tuple[nn.Module, AdaFisherW]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+        return model, AdaFisherW.from_model(model, lr=1e-2, update_every=2)
+
+    def step(model: nn.Module, opt: AdaFisherW, x: torch.Tensor) -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    x = torch.randn(32, 8, device="cuda")
+    model, opt = build()
+    model.cuda()
+    for _ in range(3):
+        step(model, opt, x)
+    resumed, resumed_opt = build()
+    resumed.load_state_dict(model.state_dict())
+    resumed.cuda()
+    resumed_opt.load_state_dict(opt.state_dict())
+    assert not resumed_opt.collector.collecting  # step 3 of a refresh every 2
+    step(resumed, resumed_opt, x)
+    step(model, opt, x)
+    layer = next(iter(resumed_opt.collector.layers.values()))
+    assert layer.a.device.type == "cuda"
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
