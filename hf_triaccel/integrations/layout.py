@@ -16,12 +16,12 @@ into contiguous storage for each forward: under FSDP2 the parameters stay contig
 convolutions run in channels_last in one of two arrangements (``FSDP2_LAYOUTS``, chosen
 by the ``HF_TRIACCEL_FSDP2_CHANNELS_LAST`` environment variable):
 
-* ``"inputs"`` (the default): the weights stay contiguous and the image batches are
-  channels_last; a convolution follows its input's memory format and converts the
-  weight itself;
-* ``"weights"``: the format applied after sharding: besides, each 2-D convolution takes a
-  channels-last copy of its weight as FSDP2 gathered it, in its forward
-  (:class:`ChannelsLastWeights`).
+* ``"weights"`` (the default, the faster of the two in BENCHMARKS.md's "FSDP2" section):
+  the format applied after sharding: the image batches are channels_last and each 2-D
+  convolution takes a channels-last copy of its weight as FSDP2 gathered it, in its
+  forward (:class:`ChannelsLastWeights`);
+* ``"inputs"``: the weights stay contiguous and the image batches are channels_last; a
+  convolution follows its input's memory format and converts the weight itself.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _CONVOLUTIONS = (nn.Conv2d, nn.ConvTranspose2d)  # timm's and transformers' subc
 
 FSDP2_LAYOUTS = ("inputs", "weights")
 FSDP2_LAYOUT_VARIABLE = "HF_TRIACCEL_FSDP2_CHANNELS_LAST"
-DEFAULT_FSDP2_LAYOUT = "inputs"
+DEFAULT_FSDP2_LAYOUT = "weights"  # the faster on an H200 (BENCHMARKS.md, "FSDP2")
 
 
 def has_conv2d(model: nn.Module) -> bool:

@@ -294,7 +294,7 @@ def test_fsdp2_shards_a_model_under_the_channels_last_default(tmp_path, monkeypa
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.delenv("HF_TRIACCEL_FSDP2_CHANNELS_LAST", raising=False)
     (run,) = run_distributed(_fsdp2_runs, 1, tmp_path)
-    assert run["detected"] and run["default"] == "inputs"
+    assert run["detected"] and run["default"] == "weights"
     plain = PatchNet()
     _train(plain, channels_last=False)
     for layout in ("inputs", "weights"):
