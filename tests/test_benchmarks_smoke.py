@@ -468,3 +468,11 @@ def test_sgd_arms(bench, kind):
     # sgd: Nesterov; sgd_ema: AdaFisher's momentum, m <- 0.9 m + 0.1 g
     assert group["momentum"] == 0.9 and group["nesterov"] == (kind == "sgd")
     assert group["dampening"] == (0.9 if kind == "sgd_ema" else 0.0)
+
+
+def test_fisher_ranges_smoke(bench, capsys):
+    result = bench("fisher_ranges").main(["--smoke", "--steps", "1"])
+    assert result["layers"] > 0 and "g_range: median" in capsys.readouterr().out
+    # the factors the update reads are the min-max normalised EMAs: within [0, 1]
+    assert 0.0 <= result["g_used_max"]["min"] <= result["g_used_max"]["max"] <= 1.0
+    assert result["a_range"]["min"] >= 0.0
