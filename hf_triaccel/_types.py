@@ -16,8 +16,18 @@ from torch import nn
 EMA_MODES = ("reference", "paper")
 """The Fisher-factor EMA rules: ``"reference"`` (the published results) and ``"paper"``."""
 
+NORMALISE_MODES = ("absolute", "relative")
+"""The min-max normalisations of a Fisher statistic: ``"absolute"`` (the published one,
+``NORMALISE_EPS`` added to the range) and ``"relative"`` (this project's scale-free
+variant, the range scaled by ``1 + NORMALISE_EPS``); see docs/design.md, "AdaFisher"."""
+
 NORMALISE_EPS = 1e-6
-"""The epsilon of the min-max normalisation of a new Fisher statistic."""
+"""The epsilon of the min-max normalisation of a new Fisher statistic: added to the range
+(``"absolute"``) or its relative margin (``"relative"``)."""
+
+NORMALISE_TINY = torch.finfo(torch.float32).tiny
+"""The smallest normal float32, added to the relative normalisation's denominator so that
+a constant statistic (range 0) normalises to zeros and not to NaN."""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_triaccel._types import EMA_MODES, NORMALISE_EPS, check_statistic_out
+from hf_triaccel._types import (
+    EMA_MODES,
+    NORMALISE_EPS,
+    NORMALISE_MODES,
+    NORMALISE_TINY,
+    check_statistic_out,
+)
 
 # Sizes below were picked by measurement on an H200 (bf16 inputs, 64 to 150K columns).
 # Elements in one loaded tile: 16 elements per thread with 8 warps.
@@ -458,13 +464,23 @@ def channel_sum_triton(
 
 
 @triton.jit
-def _fold_kernel(table_ptr, a, b, PAPER: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+def _fold_kernel(
+    table_ptr,
+    a,
+    b,
+    PAPER: tl.constexpr,
+    RELATIVE: tl.constexpr,
+    EPS: tl.constexpr,
+    TINY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Folds factor ``i = program_id(0)``: ``ema = a * ema + b * v`` and refreshes ``used``.
 
     ``table`` is (factors, 4) int64: addresses of ema, new and used (float32, contiguous)
     and the length n. Reference mode: v = normalise(new) and used <- ema unless used is
     ema. Paper mode: v = new and used <- normalise(ema). ``normalise`` is min-max over the
-    finite entries, +inf -> 1, -inf and NaN -> 0. Two sweeps over the n entries: the
+    finite entries, +inf -> 1, -inf and NaN -> 0, dividing by range + EPS, or with
+    ``RELATIVE`` by range * (1 + EPS) + TINY. Two sweeps over the n entries: the
     first finds min and max, the second updates; in paper mode the EMA is recomputed in
     the second sweep rather than re-read, so ``used`` may alias ``ema``.
     """
@@ -490,7 +506,10 @@ def _fold_kernel(table_ptr, a, b, PAPER: tl.constexpr, EPS: tl.constexpr, BLOCK:
         lo_acc = tl.minimum(lo_acc, tl.where(keep, src, float("inf")))
         hi_acc = tl.maximum(hi_acc, tl.where(keep, src, float("-inf")))
     lo = tl.min(lo_acc, axis=0)
-    denom = tl.max(hi_acc, axis=0) - lo + EPS
+    if RELATIVE:
+        denom = (tl.max(hi_acc, axis=0) - lo) * (1.0 + EPS) + TINY
+    else:
+        denom = tl.max(hi_acc, axis=0) - lo + EPS
 
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)  # (BLOCK,)
@@ -562,7 +581,7 @@ def fold_table(
     return host.to(device, non_blocking=True)
 
 
-def fold_triton(table: torch.Tensor, mode: str, gamma: float) -> None:
+def fold_triton(table: torch.Tensor, mode: str, gamma: float, normalise: str = "absolute") -> None:
     """Folds every factor of ``table`` (see :func:`fold_table`) in one launch: each new
     statistic into its running factor, refreshing the factor the update uses.
 
@@ -573,9 +592,10 @@ def fold_triton(table: torch.Tensor, mode: str, gamma: float) -> None:
         table: the factors' table, from :func:`fold_table`.
         mode: ``"reference"`` or ``"paper"``.
         gamma: EMA decay.
+        normalise: ``"absolute"`` (the published normalisation) or ``"relative"``.
 
     Raises:
-        ValueError: unknown ``mode``.
+        ValueError: unknown ``mode`` or ``normalise``.
 
     Example:
         >>> ema, new = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
@@ -585,6 +605,8 @@ def fold_triton(table: torch.Tensor, mode: str, gamma: float) -> None:
     """
     if mode not in EMA_MODES:
         raise ValueError(f"ema={mode!r} is not one of {EMA_MODES}")
+    if normalise not in NORMALISE_MODES:
+        raise ValueError(f"normalise={normalise!r} is not one of {NORMALISE_MODES}")
     paper = mode == "paper"
     a, b = (gamma, 1.0 - gamma) if paper else (0.1 * gamma, 0.01 * gamma)
     _fold_kernel[(table.shape[0],)](
@@ -592,7 +614,9 @@ def fold_triton(table: torch.Tensor, mode: str, gamma: float) -> None:
         a,
         b,
         PAPER=paper,
+        RELATIVE=normalise == "relative",
         EPS=NORMALISE_EPS,
+        TINY=NORMALISE_TINY,
         BLOCK=_FOLD_BLOCK,
         num_warps=_FOLD_NUM_WARPS,
     )

@@ -280,8 +280,10 @@ class FisherCollector:
                 out[p].update(fisher_a_used=layer.a, fisher_g_used=layer.g)
         return out
 
-    def fold(self, gamma: float) -> None:
-        """Folds the statistics accumulated since the last fold into the factors.
+    def fold(self, gamma: float, normalise: str = "absolute") -> None:
+        """Folds the statistics accumulated since the last fold into the factors, with the
+        EMA decay ``gamma`` and the normalisation ``normalise`` (both the optimizer's: see
+        :mod:`hf_triaccel.curvature.fold`).
 
         Adds the sums over micro-batches and, when ``torch.distributed`` runs several
         processes, over them (one all-reduce per device of every sum and count; see
@@ -292,11 +294,11 @@ class FisherCollector:
         """
         ready = [ly for ly in self.layers.values() if ly.a_count and ly.g_count]
         if ready:
-            self._fold_ready(ready, gamma)
+            self._fold_ready(ready, gamma, normalise)
         for ly in self.layers.values():
             ly.reset()
 
-    def _fold_ready(self, ready: list[LayerFactors], gamma: float) -> None:
+    def _fold_ready(self, ready: list[LayerFactors], gamma: float, normalise: str) -> None:
         plans = self._plans(ready)
         g_scale: torch.Tensor | float = finish_step(ready, plans)
         scaler = self.grad_scaler
@@ -305,7 +307,7 @@ class FisherCollector:
         if not isinstance(g_scale, float) or g_scale != 1.0:
             torch._foreach_div_([ly.g_stat for ly in ready], g_scale)
         for plan in plans:
-            plan.fold(self.ema, gamma)
+            plan.fold(self.ema, gamma, normalise)
 
     def _plans(self, ready: list[LayerFactors]) -> list[DevicePlan]:
         """Per device, the ``ready`` layers, the finish of their statistics and their fold:

@@ -43,7 +43,7 @@ class TriAccelPlugin(AdaFisherConfig):
     """Settings of hf_triaccel for a hand-written Accelerate loop.
 
     The AdaFisher fields (``lr``, ``beta``, ``damping``, ``gamma``, ``update_every``,
-    ``weight_decay``, ``ema``, ``impl``) are :class:`AdaFisherConfig`'s, with its
+    ``weight_decay``, ``ema``, ``normalise``, ``impl``) are :class:`AdaFisherConfig`'s, with its
     defaults; the rest choose the optimizer and the controllers. Invalid values raise at
     construction, naming ``TriAccelPlugin.<field>``.
 

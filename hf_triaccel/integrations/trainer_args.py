@@ -31,6 +31,7 @@ CONFIG_NAMES = {
     "update_every": "adafisher_update_every",
     "weight_decay": "weight_decay",
     "ema": "adafisher_ema",
+    "normalise": "adafisher_normalise",
     "impl": "triaccel_impl",
 }
 # TriAccelPlugin field -> TriAccelArguments field: the controllers' settings
@@ -145,6 +146,7 @@ class TriAccelArguments(TrainingArguments):
     adafisher_gamma: float = _from_plugin("gamma", prefix="AdaFisher: ")
     adafisher_update_every: int | None = _from_plugin("update_every", prefix="AdaFisher: ")
     adafisher_ema: str = _from_plugin("ema", prefix="AdaFisher: ")
+    adafisher_normalise: str = _from_plugin("normalise", prefix="AdaFisher: ")
     triaccel_impl: str | None = _from_plugin("impl", prefix="AdaFisher: ")
     triaccel_precision: bool = _from_plugin("precision", _NEEDS_ADAFISHER)
     triaccel_signals_every: int = _from_plugin("signals_every")

@@ -65,7 +65,7 @@ class AdaFisher(Optimizer):
             of modules it covers are preconditioned with their Fisher factors, the
             others with F = 1. Without a collector every parameter gets F = 1
             (a warning says so); :meth:`from_model` builds both in one call.
-        lr, beta, damping, gamma, update_every, weight_decay, ema, impl: the
+        lr, beta, damping, gamma, update_every, weight_decay, ema, normalise, impl: the
             hyperparameters of :class:`~hf_triaccel.optim.config.AdaFisherConfig`
             (same defaults), validated by it; ``ema`` must match the collector's.
         maximize: ascend the objective instead of descending it.
@@ -100,6 +100,7 @@ class AdaFisher(Optimizer):
         update_every: int | None = AdaFisherConfig.update_every,
         weight_decay: float = AdaFisherConfig.weight_decay,
         ema: str = AdaFisherConfig.ema,
+        normalise: str = AdaFisherConfig.normalise,
         impl: str | None = AdaFisherConfig.impl,
         maximize: bool = False,
         foreach: bool | None = None,
@@ -124,6 +125,7 @@ class AdaFisher(Optimizer):
             update_every=update_every,
             weight_decay=weight_decay,
             ema=ema,
+            normalise=normalise,
             impl=impl,
         )
         if collector is not None and not isinstance(collector, FisherCollector):
@@ -147,6 +149,7 @@ class AdaFisher(Optimizer):
         self.gamma = config.gamma
         self.update_every = config.resolved_update_every
         self.ema = config.ema
+        self.normalise = config.normalise
         self.impl = config.impl
         self.fisher_steps = 0
         self._plans: list[GroupPlan | None] = []
@@ -231,7 +234,7 @@ class AdaFisher(Optimizer):
                 collector.follow_parameters()
             self._plans = [None] * len(groups)
         if collector is not None and collector.collecting:
-            collector.fold(self.gamma)
+            collector.fold(self.gamma, self.normalise)
         generation = 0 if collector is None else collector.generation
         for i, group in enumerate(groups):
             params = group["params"]
@@ -334,6 +337,8 @@ class AdaFisher(Optimizer):
         self._plans = []
         for group in self.param_groups:
             group.setdefault("maximize", False)  # groups saved before the flag existed
+        # optimizers pickled before the setting existed folded with the published rule
+        self.__dict__.setdefault("normalise", "absolute")
 
 
 class AdaFisherW(AdaFisher):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hf_triaccel._types import EMA_MODES
+from hf_triaccel._types import EMA_MODES, NORMALISE_MODES
 from hf_triaccel.dispatch import validate_impl
 
 DEFAULT_LR = 1e-3
@@ -130,6 +130,11 @@ class AdaFisherConfig:
             means 100 for ``ema="reference"`` and 1 for ``ema="paper"``.
         weight_decay: L2 penalty (AdaFisher) or decoupled decay (AdaFisherW), >= 0.
         ema: ``"reference"`` (published results) or ``"paper"``.
+        normalise: min-max normalisation of each new Fisher statistic: ``"absolute"``
+            (the published one, (X - min) / (max - min + 1e-6)) or ``"relative"``, this
+            project's scale-free variant, not the published algorithm: (X - min) /
+            ((max - min) * (1 + 1e-6) + tiny), which spans [0, 1) however small the
+            statistic's range (the absolute one leaves a range far below 1e-6 near 0).
         impl: ``"triton"``, ``"foreach"``, ``"reference"``, ``"auto"`` or ``None``
             (automatic; the ``HF_TRIACCEL_IMPL`` environment variable overrides automatic).
 
@@ -143,6 +148,10 @@ class AdaFisherConfig:
         Traceback (most recent call last):
         ...
         ValueError: AdaFisherConfig.beta=1.5: needs 0 <= beta < 1
+        >>> AdaFisherConfig(normalise="scaled")
+        Traceback (most recent call last):
+        ...
+        ValueError: AdaFisherConfig.normalise='scaled': must be one of ('absolute', 'relative')
     """
 
     lr: float | torch.Tensor = field(default=DEFAULT_LR, metadata={"help": "Learning rate."})
@@ -163,6 +172,14 @@ class AdaFisherConfig:
     ema: str = field(
         default="reference",
         metadata={"help": "Fisher EMA rule: reference (published results) or paper."},
+    )
+    normalise: str = field(
+        default="absolute",
+        metadata={
+            "help": "Min-max normalisation of each Fisher statistic: absolute (published, "
+            "(X - min) / (max - min + 1e-6)) or relative (this project's scale-free variant, "
+            "not the published algorithm: the statistic spans [0, 1) whatever its scale)."
+        },
     )
     impl: str | None = field(
         default=None,
@@ -192,6 +209,7 @@ class AdaFisherConfig:
                 "needs an integer >= 1 (or None for the EMA rule's default)",
             ),
             ("ema", self.ema in EMA_MODES, f"must be one of {EMA_MODES}"),
+            ("normalise", self.normalise in NORMALISE_MODES, f"must be one of {NORMALISE_MODES}"),
         )
         for name, ok, why in checks:
             if not ok:

@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _normalise(x: torch.Tensor) -> torch.Tensor:
-    return (x - x.min()) / (x.max() - x.min() + 1e-6)
+def _normalise(x: torch.Tensor, relative: bool) -> torch.Tensor:
+    span = x.max() - x.min()
+    tiny = torch.finfo(torch.float32).tiny
+    return (x - x.min()) / (span * (1 + 1e-6) + tiny if relative else span + 1e-6)
 
 
 class OracleAdaFisher:
@@ -28,6 +30,7 @@ class OracleAdaFisher:
         weight_decay=0.0,
         decoupled=False,
         ema="reference",
+        normalise="absolute",
     ):
         self.model = model
         self.lr, self.beta, self.damping, self.gamma = lr, beta, damping, gamma
@@ -37,6 +40,7 @@ class OracleAdaFisher:
             decoupled,
             ema,
         )
+        self.relative = normalise == "relative"
         self.t = 0
         self.layers = [
             m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.Linear))
@@ -86,7 +90,7 @@ class OracleAdaFisher:
             return torch.ones_like(p)
         a, g = self.A[m], self.G[m]
         if self.ema == "paper":
-            a, g = _normalise(a), _normalise(g)
+            a, g = _normalise(a, self.relative), _normalise(g, self.relative)
         if isinstance(m, nn.BatchNorm2d):
             return g * a[0 if name == "weight" else 1] + self.damping
         if name == "bias":
@@ -101,8 +105,9 @@ class OracleAdaFisher:
                 if self.A[m] is None:
                     self.A[m], self.G[m] = torch.ones_like(a), torch.ones_like(g)
                 if self.ema == "reference":
-                    self.A[m] = 0.1 * self.gamma * self.A[m] + 0.01 * self.gamma * _normalise(a)
-                    self.G[m] = 0.1 * self.gamma * self.G[m] + 0.01 * self.gamma * _normalise(g)
+                    new_a, new_g = _normalise(a, self.relative), _normalise(g, self.relative)
+                    self.A[m] = 0.1 * self.gamma * self.A[m] + 0.01 * self.gamma * new_a
+                    self.G[m] = 0.1 * self.gamma * self.G[m] + 0.01 * self.gamma * new_g
                 else:
                     self.A[m] = self.gamma * self.A[m] + (1 - self.gamma) * a
                     self.G[m] = self.gamma * self.G[m] + (1 - self.gamma) * g

@@ -95,7 +95,8 @@ def rounding_bound(dtype: torch.dtype, steps: int, damping: float) -> float:
 
 @pytest.mark.parametrize("cls", [AdaFisher, AdaFisherW])
 @pytest.mark.parametrize("ema", ["reference", "paper"])
-def test_reference_matches_float64_oracle(cls, ema):
+@pytest.mark.parametrize("normalise", ["absolute", "relative"])
+def test_reference_matches_float64_oracle(cls, ema, normalise):
     torch.manual_seed(0)
     model = small_cnn()
     oracle_model = copy.deepcopy(model).double()
@@ -107,6 +108,7 @@ def test_reference_matches_float64_oracle(cls, ema):
         weight_decay=1e-2,
         update_every=3,
         ema=ema,
+        normalise=normalise,
         impl="reference",
     )
     oracle = OracleAdaFisher(
@@ -115,6 +117,7 @@ def test_reference_matches_float64_oracle(cls, ema):
         weight_decay=1e-2,
         update_every=3,
         ema=ema,
+        normalise=normalise,
         decoupled=cls is AdaFisherW,
     )
     data = batches(8, seed=1)
