@@ -144,6 +144,7 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
         ({"adafisher_gamma": 0.0}, "adafisher_gamma"),
         ({"adafisher_update_every": 0}, "adafisher_update_every"),
         ({"adafisher_ema": "fast"}, "adafisher_ema"),
+        ({"adafisher_normalise": "scaled"}, "adafisher_normalise"),
         ({"triaccel_impl": "cuda"}, "triaccel_impl"),
         ({"weight_decay": -1.0}, "weight_decay"),
     ],
@@ -175,6 +176,21 @@ def test_arguments_parse_from_the_command_line(tmp_path):
     plugin = args.to_plugin()
     assert (plugin.optimizer, plugin.update_every) == ("adafisher", 50)
     assert os.fspath(args.output_dir) == str(tmp_path)
+
+
+def test_normalise_argument_reaches_the_optimizer(tmp_path):
+    parser = transformers.HfArgumentParser(TriAccelArguments)
+    (args,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--adafisher_normalise", "relative"]
+    )
+    assert args.to_plugin().normalise == "relative"
+    trainer = TriAccelTrainer(model=tiny_timm(), args=args, train_dataset=ImageSet())
+    optimizer = trainer.create_optimizer()
+    assert optimizer.normalise == "relative"
+    default = TriAccelTrainer(
+        model=tiny_timm(), args=make_args(tmp_path / "default"), train_dataset=ImageSet()
+    )
+    assert default.create_optimizer().normalise == "absolute"
 
 
 def test_adaptive_precision_through_the_trainer(tmp_path):
