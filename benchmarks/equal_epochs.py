@@ -16,7 +16,11 @@ the optimizer differs. The arms (:data:`ARMS`):
 - ``adafisher_paper``: the rule as the paper writes it (``ema="paper"``, normalised after
   the EMA, a refresh every step): the preconditioner varies;
 - ``adafisher_paper_every10``: ours, not a published algorithm: the paper's fold refreshed
-  every 10 steps, a varying preconditioner at a tenth of the refreshes.
+  every 10 steps, a varying preconditioner at a tenth of the refreshes;
+- ``adafisher_paper_relative`` / ``adafisher_relative``: ours, not a published algorithm:
+  the paper's and the published fold rules with the scale-free normalisation
+  (``normalise="relative"``: each statistic spans [0, 1) however small its range, where
+  the published 1e-6 leaves the gradient statistics of a mean loss near 0).
 
 A grid is a list of ``ARM:lr=A,B,...:wd=C,...`` specs, each run at every seed and data
 set given. Runs are appended, one JSON line each, to ``--results`` as they end; a run
@@ -64,6 +68,8 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "curvature_off": ("sgd_ema", {}),
     "adafisher_paper": ("adafisher", {"ema": "paper"}),
     "adafisher_paper_every10": ("adafisher", {"ema": "paper", "update_every": 10}),
+    "adafisher_paper_relative": ("adafisher", {"ema": "paper", "normalise": "relative"}),
+    "adafisher_relative": ("adafisher", {"normalise": "relative"}),
 }
 RESULTS = harness.REPO_ROOT / "benchmarks" / "results" / "equal_epochs.jsonl"
 SMOKE_GRID = ("adamw:lr=3e-3:wd=0.05", "curvature_off:lr=3:wd=5e-4", "adafisher_paper:lr=1e-2")

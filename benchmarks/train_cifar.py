@@ -48,6 +48,12 @@ OPTIONS = {
     "model": (str, "resnet18_cifar", "timm model"),
     "ema": (str, None, "AdaFisher's fold rule, reference or paper (default: the optimizer's)"),
     "update_every": (int, None, "AdaFisher: steps between refreshes (default: the rule's)"),
+    "normalise": (
+        str,
+        None,
+        "AdaFisher's normalisation, absolute (published) or relative (ours; default: "
+        "the optimizer's)",
+    ),
     "seed": (int, 0, "seed"),
     "device": (str, None, "default: cuda (smoke: cpu)"),
     "max_steps": (int, None, "stop early"),
@@ -71,9 +77,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.precision_map is not None and args.precision != "adaptive":
         parser.error("--precision_map needs --precision adaptive")
-    fisher_flags = args.ema is not None or args.update_every is not None or args.lr_steering
-    if fisher_flags and not args.optimizer.startswith("adafisher"):
-        parser.error("--ema, --update_every and --lr_steering need adafisher or adafisherw")
+    fisher_flags = (args.ema, args.update_every, args.normalise)
+    uses_fisher = args.lr_steering or any(f is not None for f in fisher_flags)
+    if uses_fisher and not args.optimizer.startswith("adafisher"):
+        parser.error(
+            "--ema, --update_every, --normalise and --lr_steering need adafisher or adafisherw"
+        )
     default_lr, default_wd = harness.HYPERPARAMETERS[args.optimizer]
     args.lr = default_lr if args.lr is None else args.lr
     args.weight_decay = default_wd if args.weight_decay is None else args.weight_decay
@@ -146,6 +155,7 @@ def run(
     test_loader = GPUBatchLoader(test_data, 1024, **common)
     fisher = {"impl": args.impl, "update_every": args.update_every}
     fisher.update({} if args.ema is None else {"ema": args.ema})
+    fisher.update({} if args.normalise is None else {"normalise": args.normalise})
     optimizer = harness.make_optimizer(
         args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay, **fisher
     )
@@ -193,7 +203,7 @@ def run(
     timed = epochs[1:] if len(epochs) > 1 else epochs
     images_per_second = sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed)
     names = ("optimizer", "precision", "model", "lr", "weight_decay", "label_smoothing", "impl")
-    names += ("ema", "update_every")
+    names += ("ema", "update_every", "normalise")
     names += ("batch_size", "layout", "channels_last", "seed", "data", "smoke")
     record = {name: getattr(args, name) for name in names}
     record.update(epochs=len(epochs), steps=args.total_steps, train_images=len(train_data))
