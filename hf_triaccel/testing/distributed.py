@@ -30,6 +30,9 @@ def _in_group(rank: int, fn: Callable[[int, int], Any], world: int, folder: str)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         torch.save(fn(rank, world), Path(folder) / f"result.{rank}")
+        # no rank tears its connections down while another still uses them: gloo aborts
+        # the process whose peer went away mid-operation
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
