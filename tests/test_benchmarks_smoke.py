@@ -471,8 +471,15 @@ def test_sgd_arms(bench, kind):
 
 
 def test_fisher_ranges_smoke(bench, capsys):
-    result = bench("fisher_ranges").main(["--smoke", "--steps", "1"])
+    fisher_ranges = bench("fisher_ranges")
+    result = fisher_ranges.main(["--smoke", "--steps", "1"])
     assert result["layers"] > 0 and "g_range: median" in capsys.readouterr().out
     # the factors the update reads are the min-max normalised EMAs: within [0, 1]
     assert 0.0 <= result["g_used_max"]["min"] <= result["g_used_max"]["max"] <= 1.0
     assert result["a_range"]["min"] >= 0.0
+    # scale-free: every layer's largest normalised entry is 1 up to the 1e-6 of its
+    # denominator and float32 rounding, whatever the statistic's range. (Two steps: timm
+    # zero-initialises each residual branch's last BatchNorm weight, so the first step's
+    # gradient statistics inside the branches are all zero, a range of 0.)
+    relative = fisher_ranges.main(["--smoke", "--steps", "2", "--normalise", "relative"])
+    assert relative["g_used_max"]["min"] == pytest.approx(1.0, abs=1e-5)
