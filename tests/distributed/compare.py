@@ -14,7 +14,13 @@ processes, moved a 12-step run by 4e-2 relative.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 import torch
+
+from hf_triaccel.testing import run_distributed
 
 RTOL = 1e-4
 
@@ -27,3 +33,18 @@ def assert_matches(got: list[torch.Tensor], want: list[torch.Tensor], what: str)
         b = b.detach()
         atol = RTOL * float(b.abs().max())
         torch.testing.assert_close(a, b, rtol=0.0, atol=atol, msg=f"{what}, tensor {i}")
+
+
+def spawns_per_world(
+    worker: Callable[[int, int], Any], factory: pytest.TempPathFactory, name: str
+) -> Callable[[int], list[Any]]:
+    """``get(world)``: what every rank of ``worker`` returned in a spawn of ``world``
+    processes, spawned once per world size (a module fixture returns it)."""
+    runs: dict[int, list[Any]] = {}
+
+    def get(world: int) -> list[Any]:
+        if world not in runs:
+            runs[world] = run_distributed(worker, world, factory.mktemp(name))
+        return runs[world]
+
+    return get

@@ -25,8 +25,7 @@ from torch import nn
 
 from hf_triaccel import AdaFisherW
 from hf_triaccel.curvature.sharding import local_rows
-from hf_triaccel.testing import run_distributed
-from tests.distributed.compare import assert_matches
+from tests.distributed.compare import assert_matches, spawns_per_world
 
 GLOBAL_BATCH = 12
 STEPS = 250
@@ -295,14 +294,7 @@ def reference(world: int) -> tuple[Net, AdaFisherW]:
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     """What every rank of the spawned run of a world size returned (one spawn per size)."""
-    runs: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in runs:
-            runs[world] = run_distributed(_worker, world, tmp_path_factory.mktemp("fsdp2"))
-        return runs[world]
-
-    return get
+    return spawns_per_world(_worker, tmp_path_factory, "fsdp2")
 
 
 @pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ from torch import nn
 
 from hf_triaccel import AdaFisherW
 from hf_triaccel.testing import run_distributed
-from tests.distributed.compare import assert_matches
+from tests.distributed.compare import assert_matches, spawns_per_world
 from tests.distributed.test_fsdp2 import GLOBAL_BATCH, factors, full
 
 STEPS = 12
@@ -100,14 +100,7 @@ def _worker(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """What every rank returned, per world size (one spawn per size)."""
-    done: dict[int, list[dict]] = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in done:
-            done[world] = run_distributed(_worker, world, tmp_path_factory.mktemp("global"))
-        return done[world]
-
-    return get
+    return spawns_per_world(_worker, tmp_path_factory, "global")
 
 
 @pytest.fixture(scope="module")
