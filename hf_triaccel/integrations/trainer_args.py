@@ -7,15 +7,22 @@ meaning "the chosen optimizer's own default": AdaFisher's for ``adafisher`` /
 learning rate left at its default (5e-5) from one set to that value, so ``None`` is the
 one unambiguous "not set"; the resolved value is reported by the trainer and never
 written back into the arguments.
+
+:class:`TriAccelArgumentParser` reads them from a command line, with errors of one line
+that name the flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
-from transformers import TrainingArguments
+import torch
+from transformers import HfArgumentParser, TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from hf_triaccel.integrations.optimizers import OPTIMIZERS, adafisher_config
@@ -57,6 +64,26 @@ def _from_plugin(name: str, note: str = "", prefix: str = "") -> Any:
     source = _PLUGIN[name]
     text = " ".join(filter(None, [prefix + source.metadata["help"], note]))
     return field(default=source.default, metadata={"help": text})
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """A suggestion for a misspelt ``word``: the closest of ``choices`` as a question, or
+    ``""`` when none is close.
+
+    Example:
+        >>> did_you_mean("adamw_torch_fuse", ["adafisher", "adamw_torch_fused", "sgd"])
+        " did you mean 'adamw_torch_fused'?"
+        >>> did_you_mean("lion", ["adafisher", "adamw_torch_fused"])
+        ''
+    """
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" did you mean {close[0]!r}?" if close else ""
+
+
+def accelerator_available() -> bool:
+    """Whether torch finds an accelerator, the test the DataLoader's ``pin_memory`` makes."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator.is_available() if accelerator else torch.cuda.is_available()
 
 
 def optim_name(args: TrainingArguments) -> str:
@@ -113,10 +140,11 @@ class TriAccelArguments(TrainingArguments):
         >>> args = TriAccelArguments(output_dir="out")
         >>> args.optim, args.learning_rate, resolve_learning_rate(args)
         ('adafisherw', None, 0.001)
-        >>> TriAccelArguments(output_dir="out", optim="adamw_toch")
+        >>> TriAccelArguments(output_dir="out", optim="adamw_torch_fuse")
         Traceback (most recent call last):
         ...
-        ValueError: TriAccelArguments.optim='adamw_toch' is not a known optimizer; ...
+        ValueError: TriAccelArguments.optim='adamw_torch_fuse' is not a known optimizer; did \
+you mean 'adamw_torch_fused'? ...
     """
 
     optim: str = field(
@@ -131,6 +159,13 @@ class TriAccelArguments(TrainingArguments):
         metadata={
             "help": f"Initial learning rate. Default: the optimizer's own ({DEFAULT_LR} for "
             f"adafisher / adafisherw, {STOCK_DEFAULT_LR} for transformers' optimizers)."
+        },
+    )
+    dataloader_pin_memory: bool = field(
+        default=True,
+        metadata={
+            "help": "Pin the batches' host memory for faster copies to the accelerator. Off "
+            "where torch finds no accelerator, as pinning there does nothing."
         },
     )
     logging_nan_inf_filter: bool = field(
@@ -200,10 +235,12 @@ class TriAccelArguments(TrainingArguments):
         elif name not in {o.value for o in OptimizerNames}:
             choices = sorted(OPTIMIZERS) + sorted(o.value for o in OptimizerNames)
             raise ValueError(
-                f"TriAccelArguments.optim={name!r} is not a known optimizer; choose one of "
-                f"{', '.join(choices)}"
+                f"TriAccelArguments.optim={name!r} is not a known optimizer;"
+                f"{did_you_mean(name, choices)} choose one of {', '.join(choices)}"
             )
         self._check_fields(ours)
+        # the DataLoader warns about pinned memory without an accelerator, where it does nothing
+        self.dataloader_pin_memory = self.dataloader_pin_memory and accelerator_available()
         if not ours:
             super().__post_init__()
             return
@@ -295,3 +332,69 @@ def plugin_from_args(args: TrainingArguments) -> TriAccelPlugin:
         optimizer=optim_name(args) if uses_adafisher(args) else "adafisherw",
         **{name: setting(args, field_name) for name, field_name in PLUGIN_NAMES.items()},
     )
+
+
+# "TriAccelArguments.adafisher_gamma=2.0: ..." or "TrainingArguments.x=...": a field, its value
+_FIELD_VALUE = re.compile(r"\b(?:TriAccel|Training)Arguments\.(\w+)=")
+
+
+def flag_message(error: Exception) -> str:
+    """An error raised while the arguments are built, as a command line reads it: on one
+    line, each field named as its flag.
+
+    Example:
+        >>> flag_message(ValueError("TriAccelArguments.adafisher_gamma=2.0: needs 0 < gamma < 1"))
+        '--adafisher_gamma 2.0: needs 0 < gamma < 1'
+    """
+    return " ".join(_FIELD_VALUE.sub(r"--\1 ", str(error)).split())
+
+
+class TriAccelArgumentParser(HfArgumentParser):
+    """``HfArgumentParser`` whose errors are one line naming the flag, with the closest
+    flag suggested for an unknown one, and exit status 2 (argparse's usage error).
+
+    A value that fails a check when the arguments are built (``--adafisher_gamma 2``), a
+    value of the wrong type, an unknown or misspelt flag: each prints
+    ``PROG: error: ...`` and exits, without argparse's usage text (every field of
+    ``TrainingArguments`` is a flag: ``--help`` lists them) or a traceback.
+
+    Example:
+        >>> parser = TriAccelArgumentParser(TriAccelArguments, prog="train.py")
+        >>> (args,) = parser.parse_args_into_dataclasses(["--output_dir", "out", "--optim", "sgd"])
+        >>> optim_name(args)
+        'sgd'
+        >>> parser.parse_args_into_dataclasses(["--output_dir", "out", "--adafisher_gamma", "2"])
+        Traceback (most recent call last):
+        ...
+        SystemExit: 2
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Prints ``PROG: error: MESSAGE`` on one line and exits with status 2."""
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+    def parse_args_into_dataclasses(
+        self,
+        args: Sequence[str] | None = None,
+        return_remaining_strings: bool = False,
+        **kwargs: Any,
+    ) -> tuple[Any, ...]:
+        """``HfArgumentParser.parse_args_into_dataclasses``, its errors one line each
+        (see the class).
+
+        Raises:
+            SystemExit: a flag that is unknown, or whose value cannot work.
+        """
+        try:
+            *outputs, remaining = super().parse_args_into_dataclasses(
+                args, return_remaining_strings=True, **kwargs
+            )
+        except ValueError as err:
+            self.error(flag_message(err))
+        if return_remaining_strings:
+            return (*outputs, remaining)
+        if remaining:
+            flags = [o for action in self._actions for o in action.option_strings]
+            hints = "".join(did_you_mean(w, flags) for w in remaining if w.startswith("-"))
+            self.error(f"unrecognised arguments: {' '.join(remaining)}" + (hints and f";{hints}"))
+        return tuple(outputs)
