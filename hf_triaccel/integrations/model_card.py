@@ -3,11 +3,14 @@ publishing a run's folder to the Hugging Face Hub.
 
 ``Trainer.create_model_card`` is a fixed template that fails on models without a
 ``.config`` (timm's), so cards are rendered from the Jinja templates in
-``model_card_templates/`` instead. The card's YAML front matter carries the evaluation
-accuracy and the run's efficiency figures (training time, GPU-hours, throughput, peak
-memory) as ``model-index`` results (``ModelCardData.eval_results``), which the Hub shows as
-the model's results, and the emissions from the measured GPU energy as
-``co2_eq_emissions``.
+``model_card_templates/`` instead, one per task: ``image_classification.md`` (timm image
+classifiers) and ``text_generation.md`` (transformers causal language models, results
+with ``"task": "text-generation"``). The card's YAML front matter carries the evaluation
+accuracy or perplexity and the run's efficiency figures (training time, GPU-hours,
+throughput, peak memory) as ``model-index`` results (``ModelCardData.eval_results``),
+which the Hub shows as the model's results, and the emissions from the measured GPU
+energy as ``co2_eq_emissions``. The card's "Use" block loads the model from where it is:
+the run's folder, or the Hub repository once :func:`push_run` has published it.
 
 Example:
     >>> card = build_card(results, repo_id="me/cifar10-resnet18")  # doctest: +SKIP
@@ -29,6 +32,13 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 
 DEFAULT_TEMPLATE = "image_classification.md"
 CARD_NAME = "README.md"
+IMAGE_TASK = "image-classification"
+TEXT_TASK = "text-generation"
+# task -> (display name, library, template)
+TASKS = {
+    IMAGE_TASK: ("Image Classification", "timm", DEFAULT_TEMPLATE),
+    TEXT_TASK: ("Text Generation", "transformers", "text_generation.md"),
+}
 # checkpoints hold optimizer state for resuming: not part of a published model
 PUSH_IGNORE = ["checkpoint-*/**", "*/checkpoint-*/**"]
 
@@ -54,29 +64,59 @@ def templates_dir() -> Path:
         return Path(__file__).resolve().parents[2] / "model_card_templates"
 
 
+def task_of(results: Mapping[str, Any]) -> str:
+    """The run's task: ``results["task"]``, image classification for results without one.
+
+    Example:
+        >>> task_of({}), task_of({"task": "text-generation"})
+        ('image-classification', 'text-generation')
+    """
+    task = results.get("task") or IMAGE_TASK
+    if task not in TASKS:
+        raise ValueError(f"no model card for task {task!r}; tasks: {sorted(TASKS)}")
+    return task
+
+
 def card_metrics(results: Mapping[str, Any]) -> list[tuple[str, str, float]]:
-    """The ``(type, name, value)`` of every metric the card's ``model-index`` carries: the
-    accuracy (when the run evaluated), then the training time, GPU-hours, steady training
-    throughput and peak GPU memory (those the run measured), each named with what it counts.
+    """The ``(type, name, value)`` of every metric the card's ``model-index`` carries for
+    the evaluation split: the accuracy, or the perplexity of a text-generation run (when
+    the run evaluated), then the training time, GPU-hours, steady training throughput and
+    peak GPU memory (those the run measured), each named with what it counts.
 
     Example:
         >>> card_metrics({"eval_accuracy": 0.9, "eval_samples": 1000, "eval_split": "test",
         ...               "train_runtime_s": 61.5, "gpu_hours": None,
         ...               "steady_samples_per_second": 812.25, "peak_memory_gb": None})[0]
         ('accuracy', 'Accuracy (1000 test images)', 0.9)
+        >>> card_metrics({"task": "text-generation", "eval_perplexity": 101.234,
+        ...               "eval_tokens": 217646, "eval_split": "validation"})
+        [('perplexity', 'Perplexity (217646 validation tokens)', 101.23)]
     """
     metrics = []
-    if results.get("eval_accuracy") is not None:
+    if task_of(results) == TEXT_TASK:
+        if results.get("eval_perplexity") is not None:
+            name = f"Perplexity ({results['eval_tokens']} {results['eval_split']} tokens)"
+            metrics.append(("perplexity", name, round(float(results["eval_perplexity"]), 2)))
+    elif results.get("eval_accuracy") is not None:
         name = f"Accuracy ({results['eval_samples']} {results['eval_split']} images)"
         metrics.append(("accuracy", name, round(float(results["eval_accuracy"]), 4)))
-    for key, kind, name in (
-        ("train_runtime_s", "training_time_s", "Training time (s, evaluations included)"),
-        ("gpu_hours", "gpu_hours", "GPU-hours of training"),
+    throughput = (
         (
+            "tokens_per_second",
+            "training_tokens_per_second",
+            "Training throughput (tokens/s, steady state)",
+        )
+        if task_of(results) == TEXT_TASK
+        else (
             "steady_samples_per_second",
             "training_samples_per_second",
             "Training throughput (samples/s, steady state)",
-        ),
+        )
+    )
+    for key, kind, name in (
+        ("train_runtime_s", "training_time_s", "Training time (s, evaluations included)"),
+        ("gpu_hours", "gpu_hours", "GPU-hours of training"),
+        throughput,
         ("peak_memory_gb", "peak_gpu_memory_gib", "Peak GPU memory (GiB, allocated)"),
     ):
         if results.get(key) is not None:
@@ -111,7 +151,8 @@ def co2_eq_emissions(results: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def card_data(results: Mapping[str, Any], model_name: str) -> ModelCardData:
     """The card's YAML metadata: library, task, data set, every metric of
-    :func:`card_metrics` as ``model-index`` results, and ``co2_eq_emissions``.
+    :func:`card_metrics` as ``model-index`` results (and a text-generation run's test
+    perplexity, on its own split), and ``co2_eq_emissions``.
 
     Args:
         results: a run's results (see :func:`build_card`).
@@ -126,40 +167,79 @@ def card_data(results: Mapping[str, Any], model_name: str) -> ModelCardData:
         >>> [m["value"] for m in data.to_dict()["model-index"][0]["results"][0]["metrics"]]
         [0.9, 61.5]
     """
+    task = task_of(results)
+    task_name, library, _ = TASKS[task]
     dataset_id = results.get("dataset_id")
     dataset = {
+        "task_type": task,
+        "task_name": task_name,
         "dataset_type": results["dataset_type"],
         "dataset_name": results["dataset_name"],
-        "dataset_split": results.get("eval_split") or results["train_split"],
     }
+    split = results.get("eval_split") or results["train_split"]
+    eval_results = [
+        EvalResult(
+            **dataset, dataset_split=split, metric_type=kind, metric_name=name, metric_value=value
+        )
+        for kind, name, value in card_metrics(results)
+    ]
+    metric = "perplexity" if task == TEXT_TASK else "accuracy"
+    if results.get("test_perplexity") is not None:
+        eval_results.append(
+            EvalResult(
+                **dataset,
+                dataset_split=results["test_split"],
+                metric_type="perplexity",
+                metric_name=f"Perplexity ({results['test_tokens']} {results['test_split']} tokens)",
+                metric_value=round(float(results["test_perplexity"]), 2),
+            )
+        )
     return ModelCardData(
         model_name=model_name,
         license="apache-2.0",
-        library_name="timm",
-        pipeline_tag="image-classification",
-        tags=["image-classification", "timm", "hf-triaccel", results["settings"]["optim"]],
+        library_name=library,
+        pipeline_tag=task,
+        tags=[task, library, "hf-triaccel", results["settings"]["optim"]],
         datasets=[dataset_id] if dataset_id else None,
-        metrics=["accuracy"] if results.get("eval_accuracy") is not None else None,
+        metrics=[metric] if results.get(f"eval_{metric}") is not None else None,
         co2_eq_emissions=co2_eq_emissions(results),
-        eval_results=[
-            EvalResult(
-                task_type="image-classification",
-                task_name="Image Classification",
-                **dataset,
-                metric_type=kind,
-                metric_name=name,
-                metric_value=value,
-            )
-            for kind, name, value in card_metrics(results)
-        ],
+        eval_results=eval_results,
     )
+
+
+def load_reference(
+    results: Mapping[str, Any],
+    repo_id: str,
+    *,
+    pushed: bool = False,
+    local_dir: str | os.PathLike | None = None,
+) -> str:
+    """What the card's "Use" block loads the model from: the Hub repository when the run
+    was published, else the absolute path of the run's folder; for a timm model, with
+    timm's ``hf-hub:`` or ``local-dir:`` prefix.
+
+    Example:
+        >>> load_reference({}, "me/cifar10-resnet18", pushed=True)
+        'hf-hub:me/cifar10-resnet18'
+        >>> load_reference({}, "x", local_dir="/runs/x")
+        'local-dir:/runs/x'
+        >>> load_reference({"task": "text-generation"}, "x", local_dir="/runs/x")
+        '/runs/x'
+    """
+    timm = task_of(results) == IMAGE_TASK
+    if pushed:
+        return f"hf-hub:{repo_id}" if timm else repo_id
+    folder = str(Path(local_dir if local_dir is not None else results["output_dir"]).resolve())
+    return f"local-dir:{folder}" if timm else folder
 
 
 def build_card(
     results: Mapping[str, Any],
     *,
     repo_id: str | None = None,
-    template: str | os.PathLike = DEFAULT_TEMPLATE,
+    template: str | os.PathLike | None = None,
+    pushed: bool = False,
+    local_dir: str | os.PathLike | None = None,
 ) -> ModelCard:
     """Renders a run's model card.
 
@@ -171,10 +251,16 @@ def build_card(
             not evaluated), the time figures with their ``definitions``, ``gpu_hours``,
             ``peak_memory_gb``, ``energy`` / ``co2`` (``None`` without a GPU power
             reading), ``device``, ``hardware``, ``settings``, ``versions``, ``command``,
-            and optionally ``baseline`` / ``comparison`` and ``plots``.
+            and optionally ``baseline`` / ``comparison`` and ``plots``. A
+            text-generation run (``"task": "text-generation"``) has perplexities instead
+            of the accuracy and image fields (see ``recipes/wikitext2_gpt2.py``).
         repo_id: the Hub repository the card is for (``user/name``); defaults to the
             name of the run's output folder.
-        template: a template file name in :func:`templates_dir`, or a path to one.
+        template: a template file name in :func:`templates_dir`, or a path to one;
+            default: the task's (:data:`TASKS`).
+        pushed: the model is published as ``repo_id`` (the full ``user/name``): the
+            "Use" block loads it from the Hub; otherwise from ``local_dir``.
+        local_dir: the folder holding the model (default: ``results["output_dir"]``).
 
     Returns:
         The card; ``card.save(path)`` writes it, ``str(card)`` is its text.
@@ -185,6 +271,7 @@ def build_card(
         True
     """
     repo_id = repo_id or Path(results["output_dir"]).resolve().name
+    template = template if template is not None else TASKS[task_of(results)][2]
     path = Path(template)
     if not path.is_file():
         path = templates_dir() / template
@@ -193,6 +280,7 @@ def build_card(
         template_path=str(path),
         repo_id=repo_id,
         results=results,
+        load_from=load_reference(results, repo_id, pushed=pushed, local_dir=local_dir),
     )
 
 
@@ -201,16 +289,21 @@ def write_card(
     output_dir: str | os.PathLike,
     *,
     repo_id: str | None = None,
-    template: str | os.PathLike = DEFAULT_TEMPLATE,
+    template: str | os.PathLike | None = None,
+    pushed: bool = False,
 ) -> Path:
-    """Renders the card (:func:`build_card`) and saves it as ``output_dir/README.md``.
+    """Renders the card (:func:`build_card`) and saves it as ``output_dir/README.md``;
+    unless ``pushed``, its "Use" block loads the model from ``output_dir``.
 
     Example:
         >>> write_card(results, "outputs/cifar10_resnet18")  # doctest: +SKIP
         PosixPath('outputs/cifar10_resnet18/README.md')
     """
     path = Path(output_dir) / CARD_NAME
-    build_card(results, repo_id=repo_id, template=template).save(path)
+    card = build_card(
+        results, repo_id=repo_id, template=template, pushed=pushed, local_dir=output_dir
+    )
+    card.save(path)
     return path
 
 
@@ -221,13 +314,13 @@ def push_run(
     *,
     token: str | None = None,
     private: bool | None = None,
-    template: str | os.PathLike = DEFAULT_TEMPLATE,
+    template: str | os.PathLike | None = None,
 ) -> str:
     """Publishes a run's folder as a Hub model repository, with its model card.
 
     Creates the repository if needed, renders the card again for the repository's full
-    id (a bare ``repo_id`` gets the logged-in user's namespace), then uploads the folder,
-    checkpoints left out.
+    id (a bare ``repo_id`` gets the logged-in user's namespace), its "Use" block loading
+    from there, then uploads the folder, checkpoints left out.
 
     Args:
         results: the run's results (see :func:`build_card`).
@@ -256,7 +349,7 @@ def push_run(
     # connection and OS errors): each becomes the one error that says what to do
     except Exception as exc:
         raise _push_error(folder, repo_id, exc) from exc
-    write_card(results, folder, repo_id=url.repo_id, template=template)
+    write_card(results, folder, repo_id=url.repo_id, template=template, pushed=True)
     try:
         api.upload_folder(
             repo_id=url.repo_id,

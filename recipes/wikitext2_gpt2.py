@@ -1,0 +1,848 @@
+"""Train a GPT-2-style language model on WikiText-2 with ``TriAccelTrainer``: perplexity
+against training time, the efficiency figures, and a model that generates after loading.
+
+Usage::
+
+    accelerate launch recipes/wikitext2_gpt2.py --dataset DIR              # a parquet folder
+    accelerate launch recipes/wikitext2_gpt2.py --dataset DIR --baseline   # and AdamW
+    accelerate launch recipes/wikitext2_gpt2.py --dataset Salesforce/wikitext \\
+        --dataset_config wikitext-2-v1                                      # from the Hub
+    python recipes/wikitext2_gpt2.py --help                                 # every flag
+
+``--dataset`` is a folder of ``{train,validation,test}.parquet`` (or the Hub's
+``{split}-*.parquet`` shards) with one ``text`` column, one row per line, or a Hub data
+set id with ``--dataset_config``. The vocabulary is every word of the training split
+(``<unk>`` and ``<eos>`` first); each line ends with ``<eos>``; the token stream of a
+split is cut into blocks of ``--block_size`` tokens. The model is built from a
+``GPT2Config`` (no download). Training runs for ``--max_tokens`` tokens and evaluates
+the validation perplexity every ``--eval_every_tokens``; the test perplexity is taken
+once at the end. A run writes into ``output_dir``:
+
+- the model and its tokenizer: ``AutoTokenizer.from_pretrained(DIR)`` and
+  ``AutoModelForCausalLM.from_pretrained(DIR)`` load them;
+- ``efficiency_report.json`` (the Trainer's telemetry), ``history.json`` (every log
+  entry with its step, tokens and times) and ``results.json`` (perplexities, the
+  perplexity-against-time ``curve``, time figures, settings, the command);
+- ``loss.png`` (and ``memory.png`` on a GPU) and the model card ``README.md``;
+- with ``--baseline``, the AdamW (fused) run of the same command in ``output_dir/baseline``.
+
+``--runs_file FILE`` appends every finished run to a JSON-lines file and skips a run whose
+settings are already there, so that a grid of commands can be run again after an
+interruption and only trains what is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+    TrainerCallback,
+    set_seed,
+)
+
+from hf_triaccel import TriAccelArguments, TriAccelTrainer
+from hf_triaccel.data.loading import is_hub_dataset_id
+from hf_triaccel.data.text import (
+    EOS,
+    UNK,
+    causal_lm_dataset,
+    check_text_source,
+    load_text_split,
+    pack_blocks,
+    token_ids,
+    word_level_tokenizer,
+)
+from hf_triaccel.integrations.model_card import PushToHubError, push_run, write_card
+from hf_triaccel.integrations.plots import plot_run
+from hf_triaccel.integrations.telemetry import REPORT_NAME
+from hf_triaccel.integrations.trainer_args import TriAccelArgumentParser, resolve_learning_rate
+
+from recipe_config import BASELINE_OPTIM
+from recipe_energy import EnergyMeter, total_energy
+from recipe_results import (
+    DEFINITIONS,
+    HISTORY_NAME,
+    RESULTS_NAME,
+    emissions,
+    settings,
+    timing_figures,
+    write_json,
+)
+
+logger = logging.getLogger("recipes")
+
+
+class UsageError(ValueError):
+    """Data the recipe cannot train on, found before any training: one line on the
+    command line."""
+
+
+RECIPE = "wikitext2_gpt2"
+SCRIPT = "recipes/wikitext2_gpt2.py"
+BASELINE_DIR = "baseline"
+SPLITS = ("train", "validation", "test")
+TEXT_DEFINITIONS = {
+    **DEFINITIONS,
+    "train_time_s": "seconds of training before an evaluation: wall time since "
+    "Trainer.train() started, less every evaluation so far (from the end of the step "
+    "before it, the device synchronised, to the end of the evaluation)",
+    "perplexity": "exp of the mean cross-entropy over the predicted tokens of the split's "
+    "blocks (every token of a block but its first; the last, incomplete block is left out)",
+    "tokens_per_second": "steady_samples_per_second x block_size",
+}
+
+
+@dataclass
+class TextRecipeArguments:
+    """The recipe's own flags; every ``TriAccelArguments`` field is a flag too."""
+
+    dataset: str = field(
+        default="Salesforce/wikitext",
+        metadata={
+            "help": "A folder of {train,validation,test}.parquet files (or the Hub's "
+            "{split}-*.parquet shards) with a 'text' column, one row per line; or a Hub data "
+            "set id (needs the network), with --dataset_config."
+        },
+    )
+    dataset_config: str = field(
+        default="wikitext-2-v1",
+        metadata={"help": "The Hub data set's configuration; unused for a local folder."},
+    )
+    hub_dataset_id: str | None = field(
+        default=None,
+        metadata={
+            "help": "The Hub data set a local --dataset folder is a copy of, named in the "
+            "model card (e.g. Salesforce/wikitext); without it the card names the folder."
+        },
+    )
+    block_size: int = field(
+        default=256, metadata={"help": "Tokens per training block (and context length)."}
+    )
+    n_layer: int = field(default=4, metadata={"help": "Transformer blocks."})
+    n_head: int = field(default=8, metadata={"help": "Attention heads per block."})
+    n_embd: int = field(default=512, metadata={"help": "Width (embedding size)."})
+    dropout: float = field(
+        default=0.1, metadata={"help": "Dropout of embeddings, attention and residuals."}
+    )
+    max_tokens: int = field(
+        default=20_000_000,
+        metadata={
+            "help": "Training budget in tokens: max_steps = ceil(max_tokens / tokens per "
+            "step), tokens per step = block_size x batch x accumulation x processes. "
+            "--max_steps, when given, wins."
+        },
+    )
+    eval_every_tokens: int = field(
+        default=1_000_000,
+        metadata={
+            "help": "Evaluate the validation perplexity every this many training tokens "
+            "(rounded to whole steps); --eval_steps, when given, wins."
+        },
+    )
+    baseline: bool = field(
+        default=False,
+        metadata={
+            "help": f"Also train the baseline ({BASELINE_OPTIM}, same model, data, schedule, "
+            "budget, precision and seed) first, into OUTPUT_DIR/baseline, and compare."
+        },
+    )
+    baseline_lr: float = field(
+        default=1e-3, metadata={"help": "Learning rate of the --baseline run."}
+    )
+    baseline_weight_decay: float = field(
+        default=0.01, metadata={"help": "Weight decay of the --baseline run."}
+    )
+    runs_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "A JSON-lines file: each finished run appends one line (settings, "
+            "perplexities, curve, times); a run whose settings are already there is skipped."
+        },
+    )
+    dry_run: bool = field(
+        default=False,
+        metadata={
+            "help": "Read the data, build the vocabulary and the model, print their sizes "
+            "and exit without training."
+        },
+    )
+    plot: bool = field(
+        default=True, metadata={"help": "Write the PNG plots (--no_plot to skip them)."}
+    )
+    carbon_intensity: float = field(
+        default=475.0,
+        metadata={
+            "help": "Grid carbon intensity in g CO2eq per kWh, to turn the measured GPU "
+            "energy into emissions (default: an assumed world-average grid mix)."
+        },
+    )
+    geographical_location: str | None = field(
+        default=None, metadata={"help": "Where the run trained, for the model card."}
+    )
+
+
+def recipe_defaults() -> dict[str, Any]:
+    """The defaults the recipe gives ``TriAccelArguments``; a flag on the command line wins.
+
+    Example:
+        >>> defaults = recipe_defaults()
+        >>> defaults["optim"], defaults["per_device_train_batch_size"]
+        ('adafisherw', 32)
+    """
+    return {
+        "output_dir": os.path.join("outputs", RECIPE),
+        "optim": "adafisherw",
+        "weight_decay": 0.01,
+        "per_device_train_batch_size": 32,
+        "per_device_eval_batch_size": 64,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 0.05,
+        "bf16": torch.cuda.is_available(),
+        "eval_strategy": "steps",
+        # a multiple of AdaFisher's default refresh interval (100 steps under the
+        # published rule): every logging window then holds the same number of refreshes
+        "logging_steps": 100,
+        # checkpoints would add their writes to the measured training time
+        "save_strategy": "no",
+        # the evaluations need the loss only: gathering the logits (block x vocabulary
+        # per sample) would cost memory and time
+        "prediction_loss_only": True,
+        # text batches: nothing to augment (the settings in results.json say so)
+        "device_data_augment": False,
+        "ddp_find_unused_parameters": False,
+    }
+
+
+def build_parser(prog: str | None = None) -> TriAccelArgumentParser:
+    """The command line: :class:`TextRecipeArguments`, every ``TriAccelArguments`` field
+    with the recipe's defaults, and ``--lr`` for ``--learning_rate``; errors are one line
+    naming the flag."""
+    parser = TriAccelArgumentParser(
+        (TextRecipeArguments, TriAccelArguments),
+        prog=Path(prog or SCRIPT).name,
+        description="Train a GPT-2-style causal language model on WikiText-2 with hf_triaccel.",
+    )
+    parser.add_argument(
+        "--lr",
+        dest="learning_rate",
+        type=float,
+        help="Same as --learning_rate (default: the optimizer's own).",
+    )
+    parser.set_defaults(**recipe_defaults())
+    return parser
+
+
+def parse_args(
+    argv: list[str], prog: str | None = None
+) -> tuple[TextRecipeArguments, TriAccelArguments]:
+    """Parses and checks the flags, the data source included, before anything is read.
+
+    Raises:
+        SystemExit: a bad flag or value, a missing data folder or split (status 2, after
+            one line naming the flag).
+    """
+    parser = build_parser(prog)
+    recipe_args, args = parser.parse_args_into_dataclasses(args=argv)
+    for name in ("block_size", "n_layer", "n_head", "n_embd", "max_tokens", "eval_every_tokens"):
+        if getattr(recipe_args, name) < 1:
+            parser.error(f"--{name} {getattr(recipe_args, name)}: needs a positive integer")
+    if recipe_args.n_embd % recipe_args.n_head:
+        parser.error(
+            f"--n_embd {recipe_args.n_embd} is not a multiple of --n_head {recipe_args.n_head}"
+        )
+    hub_id = recipe_args.hub_dataset_id
+    if hub_id is not None and not is_hub_dataset_id(hub_id):
+        parser.error(f"--hub_dataset_id {hub_id!r}: a Hub id has the form owner/name")
+    try:
+        check_text_source(recipe_args.dataset, SPLITS)
+    except FileNotFoundError as exc:
+        parser.error(f"--dataset {recipe_args.dataset}: {exc}")
+    return recipe_args, args
+
+
+@dataclass
+class TextData:
+    """The tokenizer and the three splits as blocks, with their token counts."""
+
+    tokenizer: PreTrainedTokenizerFast
+    blocks: dict[str, torch.Tensor]
+    tokens: dict[str, int]
+
+    @classmethod
+    def load(cls, recipe_args: TextRecipeArguments) -> TextData:
+        """Reads the splits, builds the vocabulary of the training split, packs each split.
+
+        Raises:
+            UsageError: data without a split or its text column, or too short for a block.
+        """
+        try:
+            lines = {
+                split: load_text_split(
+                    recipe_args.dataset, split, config_name=recipe_args.dataset_config
+                )
+                for split in SPLITS
+            }
+        except (ValueError, FileNotFoundError) as exc:
+            raise UsageError(f"--dataset {recipe_args.dataset}: {exc}") from None
+        words = word_level_tokenizer(lines["train"])
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=words,
+            unk_token=UNK,
+            eos_token=EOS,
+            bos_token=EOS,
+            # no padding token in the vocabulary: batches of one prompt, or padded with
+            # <eos>, as GPT-2 does
+            pad_token=EOS,
+            # GPT-2 would embed token_type_ids with its word embeddings: never produce them
+            model_input_names=["input_ids", "attention_mask"],
+            model_max_length=recipe_args.block_size,
+            # decoded text keeps the corpus's tokenisation (" ." stays " .")
+            clean_up_tokenization_spaces=False,
+        )
+        blocks, tokens = {}, {}
+        for split, split_lines in lines.items():
+            ids = token_ids(split_lines, words)
+            tokens[split] = len(ids)
+            try:
+                blocks[split] = pack_blocks(ids, recipe_args.block_size)
+            except ValueError as exc:
+                raise UsageError(f"split {split!r}: {exc} (--block_size)") from None
+        return cls(tokenizer, blocks, tokens)
+
+    def dataset(self, split: str):
+        """A split as the Trainer's data set (``input_ids`` and ``labels``)."""
+        return causal_lm_dataset(self.blocks[split])
+
+
+def build_model(
+    recipe_args: TextRecipeArguments, tokenizer: PreTrainedTokenizerFast
+) -> GPT2LMHeadModel:
+    """The GPT-2-style model of the flags' shape, untrained, with tied input and output
+    embeddings; ``<eos>`` starts, ends and pads generated text."""
+    eos = tokenizer.eos_token_id
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=recipe_args.block_size,
+        n_embd=recipe_args.n_embd,
+        n_layer=recipe_args.n_layer,
+        n_head=recipe_args.n_head,
+        resid_pdrop=recipe_args.dropout,
+        embd_pdrop=recipe_args.dropout,
+        attn_pdrop=recipe_args.dropout,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    model = GPT2LMHeadModel(config)
+    # padding with <eos> for generation only: a pad id in the model's config would make
+    # every training block that holds an <eos> look padded (transformers warns of it)
+    model.generation_config.pad_token_id = eos
+    # the class name matches none of transformers' loss names: name the causal LM loss it
+    # falls back to, which saves a warning at the first loss
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Trainable parameters, a tied weight counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def tokens_per_step(recipe_args: TextRecipeArguments, args: TriAccelArguments) -> int:
+    """Training tokens per optimizer step, over every process."""
+    return (
+        recipe_args.block_size
+        * args.per_device_train_batch_size
+        * args.gradient_accumulation_steps
+        * args.world_size
+    )
+
+
+def schedule(recipe_args: TextRecipeArguments, args: TriAccelArguments) -> TriAccelArguments:
+    """The arguments with ``max_steps`` from the token budget and ``eval_steps`` from the
+    evaluation interval, unless the command line gave them."""
+    per_step = tokens_per_step(recipe_args, args)
+    changes: dict[str, Any] = {}
+    if args.max_steps <= 0:
+        changes["max_steps"] = math.ceil(recipe_args.max_tokens / per_step)
+    if args.eval_steps is None:
+        changes["eval_steps"] = max(1, round(recipe_args.eval_every_tokens / per_step))
+    return dataclasses.replace(args, **changes) if changes else args
+
+
+class PerplexityCurve(TrainerCallback):
+    """Every log entry with its ``step``, ``tokens`` (trained so far), ``wall_time_s``
+    (since training started) and, for an evaluation, ``train_time_s`` (the wall time less
+    the evaluations so far) and ``eval_perplexity``; the efficiency report as it stands
+    when training ends.
+
+    The training clock stops at the end of the step before each evaluation, the device
+    synchronised, and starts again when the evaluation ends.
+    """
+
+    def __init__(self, trainer: TriAccelTrainer, tokens_per_step: int) -> None:
+        self.telemetry = trainer.telemetry
+        self.tokens_per_step = tokens_per_step
+        self.entries: list[dict[str, Any]] = []
+        self.eval_runtime_s = 0.0
+        self.report: dict[str, Any] | None = None
+        self._start = self._paused = time.perf_counter()
+        self._train_time = 0.0
+        self._training = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start, self._training = time.perf_counter(), True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_evaluate:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._paused = time.perf_counter()
+            self._train_time = self._paused - self._start - self.eval_runtime_s
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self._training:
+            self.eval_runtime_s += time.perf_counter() - self._paused
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._training = False
+        self.report = self.telemetry.report()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = dict(logs or {})
+        entry = {
+            "wall_time_s": round(time.perf_counter() - self._start, 3),
+            "step": state.global_step,
+            "tokens": state.global_step * self.tokens_per_step,
+            **logs,
+        }
+        if "eval_loss" in logs and self._training:
+            entry["train_time_s"] = round(self._train_time, 3)
+            entry["eval_perplexity"] = perplexity(logs["eval_loss"])
+        self.entries.append(entry)
+
+
+def perplexity(loss: float | None) -> float | None:
+    """``exp(loss)``, ``None`` for a missing loss and ``inf`` past float range.
+
+    Example:
+        >>> perplexity(0.0), perplexity(None), perplexity(1e6)
+        (1.0, None, inf)
+    """
+    if loss is None:
+        return None
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def curve(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluations during training: step, tokens, training time and perplexity.
+
+    Example:
+        >>> curve([{"step": 5, "loss": 3.0}, {"step": 5, "tokens": 40, "train_time_s": 1.5,
+        ...         "eval_loss": 2.0, "eval_perplexity": 7.39}])
+        [{'step': 5, 'tokens': 40, 'train_time_s': 1.5, 'eval_perplexity': 7.39}]
+    """
+    keys = ("step", "tokens", "train_time_s", "eval_perplexity")
+    return [{k: e[k] for k in keys} for e in history if "train_time_s" in e]
+
+
+def time_to(points: list[dict[str, Any]], target: float | None) -> float | None:
+    """The training time of the first evaluation at or below ``target`` perplexity.
+
+    Example:
+        >>> time_to([{"train_time_s": 1.0, "eval_perplexity": 90.0},
+        ...          {"train_time_s": 2.0, "eval_perplexity": 70.0}], 80.0)
+        2.0
+    """
+    if target is None:
+        return None
+    return next((p["train_time_s"] for p in points if p["eval_perplexity"] <= target), None)
+
+
+def run_key(recipe_args: TextRecipeArguments, args: TriAccelArguments) -> dict[str, Any]:
+    """What makes two runs the same run for ``--runs_file``: the optimizer with its
+    resolved settings, the model, data, budget, batch, schedule and seed."""
+    key: dict[str, Any] = {
+        "optim": str(getattr(args.optim, "value", args.optim)),
+        "learning_rate": resolve_learning_rate(args),
+        "weight_decay": args.weight_decay,
+        "model": [recipe_args.n_layer, recipe_args.n_head, recipe_args.n_embd],
+        "dropout": recipe_args.dropout,
+        "block_size": recipe_args.block_size,
+        "dataset": recipe_args.dataset,
+        "max_steps": args.max_steps,
+        "eval_steps": args.eval_steps,
+        "total_batch_size": tokens_per_step(recipe_args, args) // recipe_args.block_size,
+        "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+        "warmup_steps": args.warmup_steps,
+        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        "seed": args.seed,
+    }
+    if args.uses_adafisher:
+        plugin = args.to_plugin()
+        key["adafisher"] = {
+            "ema": plugin.ema,
+            "normalise": plugin.normalise,
+            "update_every": plugin.resolved_update_every,
+            "gamma": plugin.gamma,
+            "damping": plugin.damping,
+            "beta": plugin.beta,
+        }
+    return key
+
+
+def recorded(runs_file: str | None, key: dict[str, Any]) -> bool:
+    """Whether ``runs_file`` already holds a run of these settings."""
+    if runs_file is None or not Path(runs_file).is_file():
+        return False
+    with open(runs_file) as f:
+        return any(json.loads(line)["key"] == key for line in f if line.strip())
+
+
+def record(runs_file: str, key: dict[str, Any], results: dict[str, Any]) -> None:
+    """Appends one finished run to ``runs_file`` (one JSON line)."""
+    kept = (
+        "eval_perplexity",
+        "best_eval_perplexity",
+        "test_perplexity",
+        "train_runtime_s",
+        "eval_runtime_s",
+        "steady_step_time_ms",
+        "tokens_per_second",
+        "peak_memory_gb",
+        "optimizer_steps",
+        "tokens_trained",
+        "device",
+        "output_dir",
+        "curve",
+    )
+    line = {"key": key, **{k: results.get(k) for k in kept}}
+    Path(runs_file).parent.mkdir(parents=True, exist_ok=True)
+    with open(runs_file, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def dataset_identity(recipe_args: TextRecipeArguments) -> dict[str, str | None]:
+    """How the model card names the data (see ``recipe_results.identity``)."""
+    source = recipe_args.dataset
+    local = Path(source).expanduser()
+    if local.is_dir():
+        hub = recipe_args.hub_dataset_id
+        own = local.resolve().name
+        return {
+            "dataset_id": hub,
+            "dataset_type": hub or own,
+            "dataset_name": "WikiText-2 (local copy)" if hub else own,
+        }
+    return {"dataset_id": source, "dataset_type": source, "dataset_name": "WikiText-2"}
+
+
+@dataclass
+class RunOutcome:
+    """A finished run on the main process: its results and timed history."""
+
+    results: dict[str, Any]
+    history: list[dict[str, Any]]
+
+
+def train_and_evaluate(
+    recipe_args: TextRecipeArguments, args: TriAccelArguments, data: TextData
+) -> RunOutcome | None:
+    """Trains one model, evaluates it on the validation and test splits, and writes its
+    model, tokenizer, ``history.json`` and efficiency report into ``args.output_dir``.
+
+    Returns:
+        The run's outcome on the main process, ``None`` on the others.
+    """
+    set_seed(args.seed)  # the same initial weights for a run and its baseline
+    model = build_model(recipe_args, data.tokenizer)
+    per_step = tokens_per_step(recipe_args, args)
+    trainer = TriAccelTrainer(
+        model=model,
+        args=args,
+        train_dataset=data.dataset("train"),
+        eval_dataset=data.dataset("validation"),
+        # no processing_class: the Trainer would copy the tokenizer's padding token into
+        # the model's config (see build_model); the tokenizer is saved beside the model
+    )
+    history, meter = PerplexityCurve(trainer, per_step), EnergyMeter()
+    trainer.add_callback(history)
+    trainer.add_callback(meter)
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    last = next((e for e in reversed(history.entries) if "eval_loss" in e), None)
+    at_end = last is not None and last["step"] == trainer.state.global_step
+    validation = last if at_end else trainer.evaluate()
+    test = trainer.evaluate(data.dataset("test"), metric_key_prefix="test")
+    run_energy = total_energy(trainer, meter)
+    if not trainer.is_world_process_zero():
+        return None
+    out = Path(args.output_dir)
+    trainer.save_model(str(out))
+    data.tokenizer.save_pretrained(out)
+    report = history.report
+    # the report as training ended: save_model's would also count the final evaluations
+    write_json(report, out / REPORT_NAME)
+    write_json(history.entries, out / HISTORY_NAME)
+    run_settings = settings(trainer)
+    run_settings["learning_rate"] = trainer.triaccel_settings["learning_rate"]
+    run_settings["max_grad_norm"] = args.max_grad_norm
+    run_settings["augmentation"] = None
+    timing = timing_figures(
+        report,
+        history.entries,
+        eval_runtime_s=history.eval_runtime_s,
+        batch_size=run_settings["total_batch_size"],
+    )
+    points = curve(history.entries)
+    steady = timing["steady_samples_per_second"]
+    gpus = args.world_size if torch.cuda.is_available() else 0
+    results = {
+        "task": "text-generation",
+        "recipe": RECIPE,
+        "title": "WikiText-2",
+        "model": "GPT-2-style causal language model",
+        "architecture": {
+            "n_layer": recipe_args.n_layer,
+            "n_head": recipe_args.n_head,
+            "n_embd": recipe_args.n_embd,
+            "n_positions": recipe_args.block_size,
+            "vocab_size": len(data.tokenizer),
+            "dropout": recipe_args.dropout,
+            "parameters": parameter_count(model),
+        },
+        "dataset": recipe_args.dataset,
+        "dataset_config": None
+        if Path(recipe_args.dataset).is_dir()
+        else recipe_args.dataset_config,
+        **dataset_identity(recipe_args),
+        "train_split": "train",
+        "eval_split": "validation",
+        "test_split": "test",
+        "block_size": recipe_args.block_size,
+        "train_tokens": data.tokens["train"],
+        "eval_tokens": data.tokens["validation"],
+        "test_tokens": data.tokens["test"],
+        "tokens_per_step": per_step,
+        "eval_every_tokens": args.eval_steps * per_step if args.eval_steps >= 1 else None,
+        "tokens_trained": report["optimizer_steps"] * per_step,
+        "eval_loss": validation.get("eval_loss"),
+        "eval_perplexity": perplexity(validation.get("eval_loss")),
+        "best_eval_perplexity": min((p["eval_perplexity"] for p in points), default=None),
+        "test_loss": test.get("test_loss"),
+        "test_perplexity": perplexity(test.get("test_loss")),
+        "curve": points,
+        **timing,
+        "tokens_per_second": None if steady is None else round(steady * recipe_args.block_size),
+        "gpu_hours": round(timing["train_runtime_s"] * gpus / 3600, 6) if gpus else None,
+        "peak_memory_gb": report.get("peak_memory_gb"),
+        "energy": run_energy,
+        "optimizer_steps": report["optimizer_steps"],
+        "epochs": trainer.state.epoch,
+        "device": report["device"],
+        "hardware": f"{args.world_size} x {report['device']}",
+        "versions": report["versions"],
+        "settings": run_settings,
+        "definitions": TEXT_DEFINITIONS,
+        "output_dir": str(out),
+    }
+    return RunOutcome(results, history.entries)
+
+
+def compare(results: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float | None]:
+    """The run against its baseline: ratios (run / baseline) of the perplexities, the
+    training time, steady throughput and peak memory, and the training time each took to
+    reach the baseline's best validation perplexity.
+
+    Example:
+        >>> run = {"eval_perplexity": 90.0, "test_perplexity": 85.0, "train_runtime_s": 12.0,
+        ...        "tokens_per_second": 1000, "peak_memory_gb": None,
+        ...        "curve": [{"train_time_s": 4.0, "eval_perplexity": 95.0},
+        ...                  {"train_time_s": 8.0, "eval_perplexity": 90.0}]}
+        >>> base = {"eval_perplexity": 100.0, "test_perplexity": 100.0, "train_runtime_s": 10.0,
+        ...         "tokens_per_second": 1250, "peak_memory_gb": 1.0, "best_eval_perplexity": 96.0,
+        ...         "curve": [{"train_time_s": 5.0, "eval_perplexity": 96.0}]}
+        >>> figures = compare(run, base)
+        >>> figures["time_to_target_s"], figures["baseline_time_to_target_s"]
+        (4.0, 5.0)
+        >>> figures["time_to_target_ratio"], figures["throughput_ratio"]
+        (0.8, 0.8)
+    """
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    target = baseline.get("best_eval_perplexity")
+    ours, theirs = time_to(results["curve"], target), time_to(baseline["curve"], target)
+    return {
+        "perplexity_ratio": ratio(results["eval_perplexity"], baseline["eval_perplexity"]),
+        "test_perplexity_ratio": ratio(results["test_perplexity"], baseline["test_perplexity"]),
+        "train_time_ratio": ratio(results["train_runtime_s"], baseline["train_runtime_s"]),
+        "throughput_ratio": ratio(results["tokens_per_second"], baseline["tokens_per_second"]),
+        "peak_memory_ratio": ratio(results["peak_memory_gb"], baseline["peak_memory_gb"]),
+        "target_perplexity": target,
+        "time_to_target_s": ours,
+        "baseline_time_to_target_s": theirs,
+        "time_to_target_ratio": ratio(ours, theirs),
+    }
+
+
+def baseline_summary(baseline: dict[str, Any]) -> dict[str, Any]:
+    """What ``results.json`` and the card keep of the baseline run."""
+    keys = (
+        "eval_perplexity",
+        "best_eval_perplexity",
+        "test_perplexity",
+        "train_runtime_s",
+        "steady_step_time_ms",
+        "tokens_per_second",
+        "peak_memory_gb",
+        "device",
+    )
+    return {
+        "optim": baseline["settings"]["optim"],
+        **{k: baseline.get(k) for k in keys},
+        "settings": baseline["settings"],
+        "source": baseline["output_dir"],
+        "same_run": True,
+    }
+
+
+def baseline_arguments(args: TriAccelArguments, recipe_args: TextRecipeArguments):
+    """The baseline run's arguments: the run's, with fused AdamW and its own learning rate
+    and weight decay, written to ``output_dir/baseline``."""
+    return dataclasses.replace(
+        args,
+        optim=BASELINE_OPTIM,
+        learning_rate=recipe_args.baseline_lr,
+        weight_decay=recipe_args.baseline_weight_decay,
+        output_dir=os.path.join(args.output_dir, BASELINE_DIR),
+        resume_from_checkpoint=None,
+    )
+
+
+def run_one(
+    recipe_args: TextRecipeArguments, args: TriAccelArguments, data: TextData
+) -> RunOutcome | None:
+    """Trains one run unless ``--runs_file`` already has it; records it there after."""
+    key = run_key(recipe_args, args)
+    if recorded(recipe_args.runs_file, key):
+        logger.info("%s: already in %s, skipped", key["optim"], recipe_args.runs_file)
+        return None
+    outcome = train_and_evaluate(recipe_args, args, data)
+    if outcome is not None:
+        outcome.results["co2"] = emissions(outcome.results, recipe_args)
+        if recipe_args.runs_file is not None:
+            record(recipe_args.runs_file, key, outcome.results)
+    return outcome
+
+
+def command_line(argv: list[str], prog: str | None) -> str:
+    """The command as it was typed: the launcher (``accelerate launch`` sets
+    ``ACCELERATE_MIXED_PRECISION`` for the processes it starts) and the script."""
+    launcher = ["accelerate", "launch"] if "ACCELERATE_MIXED_PRECISION" in os.environ else []
+    return shlex.join([*(launcher or ["python"]), prog or SCRIPT, *argv])
+
+
+def run_recipe(argv: list[str], prog: str | None = None) -> dict[str, Any] | None:
+    """Runs the recipe: the baseline first when asked, then the run, its results, plots
+    and model card, then the Hub upload when asked.
+
+    Returns:
+        The run's results (as in ``results.json``) on the main process; ``None`` on the
+        others, for a ``--dry_run`` and for a run already in ``--runs_file``.
+
+    Raises:
+        SystemExit: bad flags (status 2, the reason in one line).
+        UsageError: data the recipe cannot train on, before any training.
+        PushToHubError: ``--push_to_hub`` failed; every output is already written.
+    """
+    recipe_args, args = parse_args(argv, prog)
+    push = args.push_to_hub
+    # the Trainer would create the Hub repository when it starts: the push happens here
+    # instead, once every output is written
+    args = schedule(recipe_args, dataclasses.replace(args, push_to_hub=False))
+    data = TextData.load(recipe_args)
+    if recipe_args.dry_run:
+        model = build_model(recipe_args, data.tokenizer)
+        print(
+            f"vocabulary {len(data.tokenizer)}; tokens {data.tokens}; model "
+            f"{recipe_args.n_layer} layers x {recipe_args.n_head} heads x {recipe_args.n_embd} "
+            f"wide, {parameter_count(model):,} parameters; {args.max_steps} steps of "
+            f"{tokens_per_step(recipe_args, args):,} tokens, evaluation every "
+            f"{args.eval_steps} steps"
+        )
+        return None
+
+    baseline = None
+    if recipe_args.baseline:
+        baseline_args = baseline_arguments(args, recipe_args)
+        outcome = run_one(recipe_args, baseline_args, data)
+        if outcome is not None:
+            write_json(outcome.results, Path(baseline_args.output_dir) / RESULTS_NAME)
+            baseline = outcome
+        # free the baseline's model and optimizer before the run measures its own peak
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    run = run_one(recipe_args, args, data)
+    if run is None:
+        return None
+    results = run.results
+    results["command"] = command_line(argv, prog)
+    results["baseline"] = results["comparison"] = None
+    curves = {results["settings"]["optim"]: run.history}
+    if baseline is not None:
+        results["baseline"] = baseline_summary(baseline.results)
+        results["comparison"] = compare(results, baseline.results)
+        curves[f"{results['baseline']['optim']} (baseline)"] = baseline.history
+    results["plots"] = plot_run(args.output_dir, curves) if recipe_args.plot else {}
+    write_json(results, Path(args.output_dir) / RESULTS_NAME)
+    repo_id = args.hub_model_id or Path(args.output_dir).resolve().name
+    write_card(results, args.output_dir, repo_id=repo_id)
+    logger.info(
+        "validation perplexity %.2f, test %.2f; outputs in %s",
+        results["eval_perplexity"],
+        results["test_perplexity"],
+        args.output_dir,
+    )
+    if push:
+        url = push_run(
+            results, args.output_dir, repo_id, token=args.hub_token, private=args.hub_private_repo
+        )
+        logger.info("published %s", url)
+    return results
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The entry point: runs the recipe; returns the exit status, 2 for bad data and 1 for
+    a failed ``--push_to_hub``, with the reason in one line (bad flags exit with 2 while
+    they are parsed)."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    try:
+        run_recipe(list(sys.argv[1:] if argv is None else argv), prog)
+    except UsageError as exc:
+        print(f"{Path(prog or SCRIPT).name}: error: {exc}", file=sys.stderr)
+        return 2
+    except PushToHubError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog=sys.argv[0]))
