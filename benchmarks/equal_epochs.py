@@ -22,11 +22,13 @@ the optimizer differs. The arms (:data:`ARMS`):
   (``normalise="relative"``: each statistic spans [0, 1) however small its range, where
   the published 1e-6 leaves the gradient statistics of a mean loss near 0).
 
-A grid is a list of ``ARM:lr=A,B,...:wd=C,...`` specs, each run at every seed and data
-set given. Runs are appended, one JSON line each, to ``--results`` as they end; a run
-already there is skipped, so a grid spans several calls. ``--workers N`` runs N
-training processes at once on one GPU (accuracy only: their ``train_seconds`` overlap and
-are marked with ``workers``); ``--stop_after S`` starts no run after S seconds.
+A grid is a list of ``ARM:lr=A,B,...:wd=C,...`` specs, each run at every seed, data
+set and epoch budget given (``--epochs 10,20``: each budget its own run with its own
+schedule; ``time_to_accuracy.py`` reads those). Runs are appended, one JSON line each,
+to ``--results`` as they end; a run already there is skipped, so a grid spans several
+calls. ``--workers N`` runs N training processes at once on one GPU (accuracy only: their
+``train_seconds`` overlap and are marked with ``workers``); ``--stop_after S`` starts no
+run after S seconds.
 ``--summarise`` prints per data set and arm each configuration's mean and spread over its
 seeds and the best configuration.
 
@@ -103,7 +105,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", nargs="+", default=[".data/cifar100"], help="parquet folders")
     parser.add_argument("--grid", nargs="+", type=parse_spec, help="ARM:lr=A,B[:wd=C,D] specs")
-    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--epochs", default="15", help="budgets, comma-separated")
     parser.add_argument("--batch_size", type=int, default=512)
     parser.add_argument("--seeds", default="0", help="comma-separated")
     parser.add_argument("--workers", type=int, default=1, help="training processes at once")
@@ -114,6 +116,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--worker_of", type=Path, help=argparse.SUPPRESS)  # internal
     args = parser.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.epochs = [int(e) for e in args.epochs.split(",")]
+    if args.smoke:
+        args.batch_size = 8
     if args.grid is None:
         args.grid = [parse_spec(s) for s in SMOKE_GRID] if args.smoke else []
     if not args.grid and not args.summarise:
@@ -123,20 +128,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every run of the grid, in the order given: data set, spec, lr, wd, seed."""
+    """Every run of the grid, in the order given: data set, budget, spec, lr, wd, seed."""
     out = []
-    for data, (arm, lrs, wds), seed in itertools.product(args.data, args.grid, args.seeds):
+    grid = itertools.product(args.data, args.epochs, args.grid, args.seeds)
+    for data, epochs, (arm, lrs, wds), seed in grid:
         optimizer = ARMS[arm][0]
         for lr, wd in itertools.product(lrs, wds):
             wd = harness.HYPERPARAMETERS[optimizer][1] if wd is None else wd
-            out.append({"data": data, "arm": arm, "lr": lr, "weight_decay": wd, "seed": seed})
+            job = {"data": data, "arm": arm, "lr": lr, "weight_decay": wd, "seed": seed}
+            out.append({**job, "budget_epochs": epochs, "batch_size": args.batch_size})
     return out
 
 
 def key(record: dict[str, Any]) -> tuple:
     """What identifies a run (a record or a job)."""
     dataset = Path(record["data"]).name
-    return dataset, record["arm"], record["lr"], record["weight_decay"], record["seed"]
+    config = record["arm"], record["lr"], record["weight_decay"], record["seed"]
+    return dataset, *config, record["budget_epochs"], record["batch_size"]
 
 
 def read_records(paths: Sequence[Path]) -> list[dict[str, Any]]:
@@ -147,11 +155,11 @@ def read_records(paths: Sequence[Path]) -> list[dict[str, Any]]:
 def train_args(job: dict[str, Any], args: argparse.Namespace) -> argparse.Namespace:
     optimizer, fisher = ARMS[job["arm"]]
     flags = ["--optimizer", optimizer, "--lr", str(job["lr"]), "--seed", str(job["seed"])]
-    flags += ["--weight_decay", str(job["weight_decay"]), "--epochs", str(args.epochs)]
-    flags += ["--data", job["data"], "--batch_size", str(args.batch_size)]
+    flags += ["--weight_decay", str(job["weight_decay"]), "--epochs", str(job["budget_epochs"])]
+    flags += ["--data", job["data"], "--batch_size", str(job["batch_size"])]
     flags += [f for name, value in fisher.items() for f in (f"--{name}", str(value))]
     if args.smoke:
-        flags += ["--smoke", "--batch_size", "8", "--max_steps", str(SMOKE_STEPS)]
+        flags += ["--smoke", "--max_steps", str(SMOKE_STEPS)]
     return train_cifar.parse_args(flags)
 
 
@@ -193,12 +201,13 @@ def work(args: argparse.Namespace, claims: Path | None, data: dict[str, tuple]) 
             continue
         finally:
             harness.free_memory(run_args.device)
-        record.update(arm=job["arm"], budget_epochs=args.epochs, workers=args.workers)
+        record.update(arm=job["arm"], budget_epochs=job["budget_epochs"], workers=args.workers)
         record["dataset"] = Path(job["data"]).name
         append(args.results, record)
         print(
             f"{record['dataset']} {job['arm']} lr {job['lr']:g} wd {job['weight_decay']:g} "
-            f"seed {job['seed']}: {100 * record['test_accuracy']:.2f}% "
+            f"seed {job['seed']}, {job['budget_epochs']} epochs: "
+            f"{100 * record['test_accuracy']:.2f}% "
             f"({record['train_seconds']:.1f} s)",
             flush=True,
         )
@@ -232,14 +241,19 @@ def run_workers(args: argparse.Namespace, argv: list[str]) -> int:
         return sum(p.wait() != 0 for p in procs)
 
 
-def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per data set and arm: each configuration's accuracies by seed, their mean and
-    spread (max - min), and the chosen configuration: the best at the sweep's seed
-    (:data:`SWEEP_SEED`), whose other seeds then give its mean, with its learning-rate
-    neighbours at the same weight decay."""
-    out: dict[str, dict[str, Any]] = {}
+def group(record: dict[str, Any]) -> tuple[str, int, int]:
+    """The comparison a run belongs to: (data set, epoch budget, batch size)."""
+    return record["dataset"], record["budget_epochs"], record["batch_size"]
+
+
+def summarise(records: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """Per comparison (:func:`group`) and arm: each configuration's accuracies by seed,
+    their mean and spread (max - min), and the chosen configuration: the best at the
+    sweep's seed (:data:`SWEEP_SEED`), whose other seeds then give its mean, with its
+    learning-rate neighbours at the same weight decay."""
+    out: dict[tuple, dict[str, Any]] = {}
     for r in records:
-        arm = out.setdefault(r["dataset"], {}).setdefault(r["arm"], {"configs": {}})
+        arm = out.setdefault(group(r), {}).setdefault(r["arm"], {"configs": {}})
         config = arm["configs"].setdefault((r["lr"], r["weight_decay"]), {"acc": {}})
         config["acc"][r["seed"]] = 100 * r["test_accuracy"]
     for arms in out.values():
@@ -261,14 +275,14 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def report(summary: dict[str, dict[str, Any]]) -> str:
-    """The summary as markdown, per data set: the chosen configuration of each arm, then
+def report(summary: dict[tuple, dict[str, Any]]) -> str:
+    """The summary as markdown, per comparison: the chosen configuration of each arm, then
     every run configuration (the chosen one in bold)."""
     parts = []
-    for dataset, arms in summary.items():
+    for (dataset, epochs, batch), arms in sorted(summary.items()):
         names = [a for a in ARMS if a in arms and arms[a]["best"] is not None]
         lines = [
-            f"### {dataset}",
+            f"### {dataset}, {epochs} epochs, batch {batch}",
             "",
             "Chosen: the best at seed 0, its mean over seeds; its neighbours at seed 0:",
             "",

@@ -23,7 +23,8 @@
 #   4. elastic: TriAccelTrainer with the elastic batch against the micro-batch and
 #      accumulation it settles on without elasticity (bench_elastic.py): samples/s.
 #   5. time_to_accuracy: the 10-epoch budget of the time-to-accuracy grid, AdamW(fused)
-#      and AdaFisherW at their default learning rates (a sanity check of the grid's runs).
+#      and AdaFisher at their chosen learning rates, each alone on the GPU (a sanity
+#      check of the grid's runs).
 #   6. acceptance: every figure against its target (acceptance.py).
 #
 # Usage, from anywhere (the repository is this script's parent folder):
@@ -145,8 +146,9 @@ long_stages() {
     stage elastic 60 "$PY" benchmarks/bench_elastic.py "${smoke[@]}" "${elastic[@]}" \
         --parts elastic_batch,fixed_micro_batch --out "$OUT/elastic"
     stage time_to_accuracy 80 "$PY" benchmarks/time_to_accuracy.py "${smoke[@]}" \
-        --data "$data" "${tta[@]}" --adamw-lrs 3e-3 --adafisherw-lrs 1e-2 \
-        --results "$OUT/time_to_accuracy/time_to_accuracy.jsonl"
+        --data "$data" "${tta[@]}" --grid adamw:lr=2.4e-2:wd=0.1 adafisher:lr=1.2e-2 \
+        --results "$OUT/time_to_accuracy/time_to_accuracy.jsonl" \
+        --times "$OUT/time_to_accuracy/epoch_seconds.jsonl"
     stage acceptance 25 "$PY" benchmarks/acceptance.py "$OUT"
 }
 
