@@ -148,10 +148,11 @@ class TextRecipeArguments:
         },
     )
     eval_every_tokens: int = field(
-        default=1_000_000,
+        default=819_200,
         metadata={
             "help": "Evaluate the validation perplexity every this many training tokens "
-            "(rounded to whole steps); --eval_steps, when given, wins."
+            "(rounded to whole steps; 100 steps at the default batch); --eval_steps, when "
+            "given, wins."
         },
     )
     baseline: bool = field(
@@ -214,9 +215,10 @@ def recipe_defaults() -> dict[str, Any]:
         "warmup_steps": 0.05,
         "bf16": torch.cuda.is_available(),
         "eval_strategy": "steps",
-        # a multiple of AdaFisher's default refresh interval (100 steps under the
-        # published rule): every logging window then holds the same number of refreshes
-        "logging_steps": 100,
+        # half the evaluation interval at the default batch: the windows between two
+        # evaluations give the steady step time (a window that holds an evaluation is
+        # left out of it)
+        "logging_steps": 50,
         # checkpoints would add their writes to the measured training time
         "save_strategy": "no",
         # the evaluations need the loss only: gathering the logits (block x vocabulary
@@ -329,14 +331,11 @@ class TextData:
         return causal_lm_dataset(self.blocks[split])
 
 
-def build_model(
-    recipe_args: TextRecipeArguments, tokenizer: PreTrainedTokenizerFast
-) -> GPT2LMHeadModel:
+def build_model(recipe_args: TextRecipeArguments, vocab_size: int, eos: int) -> GPT2LMHeadModel:
     """The GPT-2-style model of the flags' shape, untrained, with tied input and output
-    embeddings; ``<eos>`` starts, ends and pads generated text."""
-    eos = tokenizer.eos_token_id
+    embeddings; token ``eos`` starts, ends and pads generated text."""
     config = GPT2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         n_positions=recipe_args.block_size,
         n_embd=recipe_args.n_embd,
         n_layer=recipe_args.n_layer,
@@ -372,14 +371,28 @@ def tokens_per_step(recipe_args: TextRecipeArguments, args: TriAccelArguments) -
     )
 
 
-def schedule(recipe_args: TextRecipeArguments, args: TriAccelArguments) -> TriAccelArguments:
+def given_flags(argv: list[str]) -> set[str]:
+    """The flags on a command line, as field names.
+
+    Example:
+        >>> sorted(given_flags(["--eval-steps", "5", "--lr=0.1", "x"]))
+        ['eval_steps', 'lr']
+    """
+    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
+def schedule(
+    recipe_args: TextRecipeArguments, args: TriAccelArguments, given: set[str]
+) -> TriAccelArguments:
     """The arguments with ``max_steps`` from the token budget and ``eval_steps`` from the
-    evaluation interval, unless the command line gave them."""
+    evaluation interval, unless ``given`` (the flags on the command line) names them.
+    (``TrainingArguments`` sets an evaluation interval left unset to the logging
+    interval, so only the command line tells whether one was given.)"""
     per_step = tokens_per_step(recipe_args, args)
     changes: dict[str, Any] = {}
-    if args.max_steps <= 0:
+    if "max_steps" not in given:
         changes["max_steps"] = math.ceil(recipe_args.max_tokens / per_step)
-    if args.eval_steps is None:
+    if "eval_steps" not in given:
         changes["eval_steps"] = max(1, round(recipe_args.eval_every_tokens / per_step))
     return dataclasses.replace(args, **changes) if changes else args
 
@@ -569,7 +582,7 @@ def train_and_evaluate(
         The run's outcome on the main process, ``None`` on the others.
     """
     set_seed(args.seed)  # the same initial weights for a run and its baseline
-    model = build_model(recipe_args, data.tokenizer)
+    model = build_model(recipe_args, len(data.tokenizer), data.tokenizer.eos_token_id)
     per_step = tokens_per_step(recipe_args, args)
     trainer = TriAccelTrainer(
         model=model,
@@ -774,10 +787,10 @@ def run_recipe(argv: list[str], prog: str | None = None) -> dict[str, Any] | Non
     push = args.push_to_hub
     # the Trainer would create the Hub repository when it starts: the push happens here
     # instead, once every output is written
-    args = schedule(recipe_args, dataclasses.replace(args, push_to_hub=False))
+    args = schedule(recipe_args, dataclasses.replace(args, push_to_hub=False), given_flags(argv))
     data = TextData.load(recipe_args)
     if recipe_args.dry_run:
-        model = build_model(recipe_args, data.tokenizer)
+        model = build_model(recipe_args, len(data.tokenizer), data.tokenizer.eos_token_id)
         print(
             f"vocabulary {len(data.tokenizer)}; tokens {data.tokens}; model "
             f"{recipe_args.n_layer} layers x {recipe_args.n_head} heads x {recipe_args.n_embd} "

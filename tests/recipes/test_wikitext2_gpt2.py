@@ -1,0 +1,261 @@
+"""The WikiText-2 recipe end to end on a tiny generated corpus (CPU, a few steps of a
+2-layer model), its command line, and AdaFisher's rules on its GPT-2 model."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+datasets = pytest.importorskip("datasets")
+
+# the recipes' folder is on the import path (conftest.py)
+import wikitext2_gpt2 as recipe  # noqa: E402
+import yaml  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+from hf_triaccel import AdaFisherW  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(40)] + ["the", "game", "began", ",", ".", "<unk>"]
+SPLIT_LINES = {"train": 240, "validation": 60, "test": 60}
+# 2 layers of width 64 on blocks of 32 tokens, 4 blocks a step: a few steps in seconds
+TINY = [
+    "--n_layer",
+    "2",
+    "--n_head",
+    "2",
+    "--n_embd",
+    "64",
+    "--block_size",
+    "32",
+    "--per_device_train_batch_size",
+    "4",
+    "--per_device_eval_batch_size",
+    "16",
+    "--max_tokens",
+    "768",  # 6 steps of 128 tokens
+    "--eval_every_tokens",
+    "384",  # evaluations at steps 3 and 6
+    "--logging_steps",
+    "2",
+    "--use_cpu",
+    "--disable_tqdm",
+    "true",
+]
+
+
+def corpus(lines: int, seed: int) -> list[str]:
+    """Lines as the Hub's WikiText stores them: a leading space and a trailing newline,
+    every third line empty."""
+    rng = random.Random(seed)
+    return [
+        ""
+        if i % 3 == 0
+        else " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + " \n"
+        for i in range(lines)
+    ]
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory) -> Path:
+    """``{train,validation,test}.parquet`` with one ``text`` column, as the Hub lays out
+    ``Salesforce/wikitext``."""
+    folder = tmp_path_factory.mktemp("wikitext")
+    for seed, (split, lines) in enumerate(SPLIT_LINES.items()):
+        datasets.Dataset.from_dict({"text": corpus(lines, seed)}).to_parquet(
+            folder / f"{split}.parquet"
+        )
+    return folder
+
+
+def flags(folder: Path, out: Path, *extra: str) -> list[str]:
+    return ["--dataset", str(folder), "--output_dir", str(out), *TINY, *extra]
+
+
+@pytest.fixture(scope="module")
+def run(text_folder, tmp_path_factory) -> dict:
+    """One command: the AdamW baseline, then AdaFisherW, each run recorded in a runs file."""
+    out = tmp_path_factory.mktemp("run")
+    argv = flags(text_folder, out, "--baseline", "--runs_file", str(out / "runs.jsonl"))
+    results = recipe.run_recipe(argv)
+    return {"argv": argv, "out": out, "results": results}
+
+
+def test_results_hold_finite_perplexities_and_the_curve(run):
+    out = run["out"]
+    for folder, optim in ((out, "adafisherw"), (out / "baseline", "adamw_torch_fused")):
+        results = json.loads((folder / "results.json").read_text())
+        assert results["settings"]["optim"] == optim
+        for key in ("eval_perplexity", "test_perplexity", "best_eval_perplexity"):
+            assert math.isfinite(results[key]) and results[key] > 1, (optim, key)
+        assert results["eval_perplexity"] == pytest.approx(math.exp(results["eval_loss"]))
+        assert results["optimizer_steps"] == 6 and results["tokens_trained"] == 768
+        steps = [p["step"] for p in results["curve"]]
+        times = [p["train_time_s"] for p in results["curve"]]
+        assert steps == [3, 6] and [p["tokens"] for p in results["curve"]] == [384, 768]
+        # the evaluations are left out of the training time
+        assert 0 < times[0] < times[1] < results["train_runtime_s"] - results["eval_runtime_s"]
+        assert (folder / "efficiency_report.json").is_file()
+    results = run["results"]
+    assert results["baseline"]["optim"] == "adamw_torch_fused"
+    assert results["comparison"]["target_perplexity"] == results["baseline"]["best_eval_perplexity"]
+
+
+def test_vocabulary_and_tokens_come_from_the_splits(run):
+    results = run["results"]
+    train = corpus(SPLIT_LINES["train"], 0)
+    # one <eos> per line, empty lines included
+    assert results["train_tokens"] == sum(len(line.split()) + 1 for line in train)
+    words = {w for line in train for w in line.split()}
+    assert results["architecture"]["vocab_size"] == len(words | {"<unk>", "<eos>"})
+    tokenizer = AutoTokenizer.from_pretrained(run["out"])
+    assert tokenizer.convert_ids_to_tokens([0, 1]) == ["<unk>", "<eos>"]
+    assert tokenizer("w1 notaword")["input_ids"] == [tokenizer.convert_tokens_to_ids("w1"), 0]
+
+
+@pytest.mark.parametrize("which", ["run", "baseline"])
+def test_saved_model_and_tokenizer_load_and_generate(run, which):
+    folder = run["out"] if which == "run" else run["out"] / "baseline"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompt = tokenizer("the game began", return_tensors="pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no pad-token or attention-mask warning
+        output = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert output.shape[1] > prompt["input_ids"].shape[1]
+    assert tokenizer.decode(output[0]).startswith("the game began ")
+
+
+def test_card_is_a_text_generation_card_whose_use_block_runs(run, capsys):
+    card = (run["out"] / "README.md").read_text()
+    _, header, body = card.split("---\n", 2)
+    meta = yaml.safe_load(header)
+    assert meta["pipeline_tag"] == "text-generation" and meta["library_name"] == "transformers"
+    splits = {r["dataset"]["split"]: r["metrics"] for r in meta["model-index"][0]["results"]}
+    assert splits["validation"][0]["type"] == "perplexity"
+    assert splits["test"] == [
+        {
+            "type": "perplexity",
+            "value": round(run["results"]["test_perplexity"], 2),
+            "name": f"Perplexity ({run['results']['test_tokens']} test tokens)",
+        }
+    ]
+    assert "## Perplexity against training time" in body and "## Against the baseline" in body
+    (use,) = re.findall(r"## Use\n\n```python\n(.*?)```", body, flags=re.S)
+    assert json.dumps(str(run["out"].resolve())) in use  # the run's own folder
+    torch.manual_seed(0)
+    exec(compile(use, "card", "exec"), {})  # as a reader runs it
+    printed = capsys.readouterr().out.split()
+    # the prompt, its unknown words as <unk>, then at least one generated token
+    assert printed[:3] == ["<unk>", "game", "began"] and len(printed) > 5
+
+
+def test_a_recorded_run_is_skipped(run):
+    runs_file = run["out"] / "runs.jsonl"
+    lines = [json.loads(line) for line in runs_file.read_text().splitlines()]
+    assert [line["key"]["optim"] for line in lines] == ["adamw_torch_fused", "adafisherw"]
+    assert lines[1]["key"]["adafisher"]["ema"] == "reference"
+    assert lines[1]["key"]["learning_rate"] == 1e-3  # resolved: AdaFisher's default
+    assert recipe.run_recipe(run["argv"]) is None  # both already there: nothing trains
+    assert len(runs_file.read_text().splitlines()) == 2
+
+
+def test_command_line_is_recorded(run):
+    assert run["results"]["command"].startswith("python recipes/wikitext2_gpt2.py --dataset ")
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda folder: folder / "missing", "no such folder"),
+        (lambda folder: folder, "no test.parquet"),
+    ],
+    ids=["missing folder", "missing split"],
+)
+def test_bad_data_is_one_line_at_the_start(text_folder, tmp_path, capsys, mutate, message):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for split in ("train", "validation"):
+        (folder / f"{split}.parquet").write_bytes((text_folder / f"{split}.parquet").read_bytes())
+    with pytest.raises(SystemExit) as exit_info:
+        recipe.run_recipe(flags(mutate(folder), tmp_path / "out"))
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("wikitext2_gpt2.py: error: --dataset ") and message in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_value_names_its_flag(text_folder, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        recipe.run_recipe(flags(text_folder, tmp_path, "--adafisher_gamma", "2"))
+    assert "error: --adafisher_gamma 2.0: needs 0 < gamma < 1" in capsys.readouterr().err
+
+
+def test_help_documents_every_flag_with_the_recipe_defaults():
+    parser = recipe.build_parser()
+    actions = {option: a for a in parser._actions for option in a.option_strings}
+    for action in parser._actions:
+        assert action.help, action.option_strings
+    for flag, default in (
+        ("--block_size", 256),
+        ("--n_layer", 4),
+        ("--n_embd", 512),
+        ("--max_tokens", 20_000_000),
+        ("--per_device_train_batch_size", 32),
+        ("--optim", "adafisherw"),
+        ("--logging_steps", 50),
+    ):
+        # the entry --help prints for the flag
+        entry = " ".join(parser._get_formatter()._format_action(actions[flag]).split())
+        assert entry.endswith(f"(default: {default})"), entry
+
+
+def test_token_budget_and_evaluation_interval_become_steps():
+    recipe_args, args = recipe.build_parser().parse_args_into_dataclasses(
+        args=["--use_cpu", "--max_tokens", "1000000", "--eval_every_tokens", "100000"]
+    )
+    args = recipe.schedule(recipe_args, args, set())
+    assert (args.max_steps, args.eval_steps) == (123, 12)  # 8,192 tokens a step
+    kept = recipe.schedule(recipe_args, args, {"max_steps", "eval_steps"})
+    assert (kept.max_steps, kept.eval_steps) == (args.max_steps, args.eval_steps)
+
+
+def test_gpt2_small_shape_has_about_110m_parameters():
+    recipe_args = recipe.TextRecipeArguments(n_layer=12, n_head=12, n_embd=768)
+    with torch.device("meta"):
+        model = recipe.build_model(recipe_args, vocab_size=33_278, eos=1)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert recipe.parameter_count(model) == 110_810_112
+
+
+@pytest.mark.parametrize("ema", ["reference", "paper"])
+def test_adafisher_rules_cover_the_gpt2_model(ema):
+    recipe_args = recipe.TextRecipeArguments(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    torch.manual_seed(0)
+    model = recipe.build_model(recipe_args, vocab_size=50, eos=1)
+    optimizer = AdaFisherW.from_model(model, ema=ema, update_every=1)
+    ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    layers = optimizer.collector.layers
+    kinds = {name: type(layer.module) for name, layer in layers.items()}
+    assert {torch.nn.Embedding, Conv1D, torch.nn.LayerNorm} == set(kinds.values())
+    assert sum(kind is Conv1D for kind in kinds.values()) == 8  # 4 per block
+    # the tied weight takes the input embedding's factors, once; the output layer none
+    assert "lm_head" not in layers
+    assert optimizer.collector.factors_for(model.lm_head.weight).layout is not None
+    for name, layer in layers.items():
+        assert torch.isfinite(layer.a).all() and torch.isfinite(layer.g).all(), name
+    assert all(torch.isfinite(p).all() for p in model.parameters())
