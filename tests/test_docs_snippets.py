@@ -6,10 +6,11 @@ in an empty working folder: a block must hold its imports and its small model an
 A block whose first line is :data:`GPU_MARK` needs CUDA and is skipped without it. Shell
 blocks (indented, or fenced as anything but python) are not run.
 
-The card's block loads the published model from the Hub (``hf-hub:``); here the Hub is
-offline and its cache holds the run's output folder, as after a download. (That
-``import hf_triaccel`` alone registers the model's architecture with timm is checked in a
-fresh interpreter by tests/test_timm_models.py.)
+The card's block loads the model from the run's folder (``local-dir:``) and, once the run
+is published, from the Hub (``hf-hub:``); here the Hub is offline and its cache holds the
+run's output folder, as after a download. (That ``import hf_triaccel`` alone registers the
+model's architecture with timm is checked in a fresh interpreter by
+tests/test_timm_models.py.)
 """
 
 from __future__ import annotations
@@ -61,14 +62,16 @@ def test_doc_block_runs(code, request, tmp_path, monkeypatch):
     run_block(code, request.node.callspec.id)
 
 
-def test_model_card_block_loads_the_published_model(tmp_path, monkeypatch):
+def test_model_card_block_loads_the_run_and_the_published_model(tmp_path, monkeypatch):
     pytest.importorskip("timm")
     hub = pytest.importorskip("huggingface_hub")
     monkeypatch.syspath_prepend(str(ROOT / "recipes"))
     import train
 
+    from hf_triaccel.integrations.model_card import write_card
+
     out, repo_id = tmp_path / "run", "hf-triaccel-test/cifar10-resnet18"
-    train.run_recipe(
+    results = train.run_recipe(
         [
             *("--recipe", "cifar10_resnet18", "--dataset", "embedded", "--use_cpu"),
             *("--output_dir", str(out), "--hub_model_id", repo_id, "--no_plot"),
@@ -76,6 +79,13 @@ def test_model_card_block_loads_the_published_model(tmp_path, monkeypatch):
             *("--optim", "adamw_torch", "--eval_strategy", "no", "--disable_tqdm", "true"),
         ]
     )
+    monkeypatch.chdir(tmp_path)
+    # not published: the run's own folder
+    (line, code), *others = python_blocks((out / "README.md").read_text())
+    assert not others and f'"local-dir:{out.resolve()}"' in code
+    run_block(code, f"model card:{line}")
+    # published (push_run renders the card so): the Hub repository
+    write_card(results, out, repo_id=repo_id, pushed=True)
     (line, code), *others = python_blocks((out / "README.md").read_text())
     assert not others and f'"hf-hub:{repo_id}"' in code
     # the Hub's cache after a download of the repository: refs/main -> a snapshot
@@ -89,7 +99,6 @@ def test_model_card_block_loads_the_published_model(tmp_path, monkeypatch):
         shutil.copy(out / file, snapshot / file)
     monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.chdir(tmp_path)
     run_block(code, f"model card:{line}")
 
 
