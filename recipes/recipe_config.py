@@ -1,9 +1,11 @@
 """A recipe's configuration (``configs/<name>.yaml``) and the command line of ``train.py``.
 
-A configuration names the data set, its class count, the timm model and the splits. The
-flags are :class:`RecipeArguments` plus every ``TrainingArguments`` /
-``TriAccelArguments`` field, with the defaults of :func:`recipe_defaults`; they are
-checked here, before any data is read.
+A configuration names the data set, its class count, the timm model, the splits and the
+recipe's quick form (``--quick``: the model and run sized for a CPU). The flags are
+:class:`RecipeArguments` plus every ``TrainingArguments`` / ``TriAccelArguments`` field,
+with the defaults of :func:`recipe_defaults` (and :func:`quick_defaults` under
+``--quick``); they are checked here, before any data is read, and a flag that cannot work
+ends the command with one line that names it.
 
 Example:
     >>> config = RecipeConfig.load("cifar10_resnet18")
@@ -24,10 +26,11 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
 from hf_triaccel import TriAccelArguments
 from hf_triaccel.data import is_hub_dataset_id
+from hf_triaccel.integrations.trainer_args import TriAccelArgumentParser
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 EMBEDDED = "embedded"
@@ -46,6 +49,9 @@ class RecipeConfig:
         model: the timm model name (``--model`` overrides it).
         train_split: the training split.
         eval_split: the split evaluated during training and reported.
+        quick_model_args: under ``--quick``, the timm arguments that make ``model`` small
+            enough for a CPU (empty: the model as it is).
+        quick_steps: optimizer steps under ``--quick``.
 
     Example:
         >>> RecipeConfig("c100", "CIFAR-100", "uoft-cs/cifar100", 100, "resnet18_cifar").eval_split
@@ -59,6 +65,8 @@ class RecipeConfig:
     model: str
     train_split: str = "train"
     eval_split: str = "test"
+    quick_model_args: dict[str, Any] = field(default_factory=dict)
+    quick_steps: int = 300
 
     @classmethod
     def load(cls, recipe: str) -> RecipeConfig:
@@ -74,7 +82,11 @@ class RecipeConfig:
             raise ValueError(f"--recipe {recipe!r}: no such recipe; choose one of {available()}")
         entries = yaml.safe_load(path.read_text()) or {}
         names = {f.name for f in dataclasses.fields(cls)} - {"name"}
-        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        required = {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
         unknown, missing = set(entries) - names, required - {"name"} - set(entries)
         if unknown or missing:
             raise ValueError(
@@ -103,8 +115,19 @@ class RecipeArguments:
         0.003
     """
 
-    recipe: str = field(
-        metadata={"help": f"A recipe name ({', '.join(available())}) or a YAML config path."}
+    recipe: str | None = field(
+        default=None,
+        metadata={
+            "help": f"A recipe name ({', '.join(available())}) or a YAML config path; "
+            "recipes/<name>.py sets it."
+        },
+    )
+    quick: bool = field(
+        default=False,
+        metadata={
+            "help": "The recipe's quick form, sized for a CPU: its model made small, batches "
+            "of 64, a few hundred steps, outputs in outputs/<recipe>-quick. Any flag still wins."
+        },
     )
     dataset: str | None = field(
         default=None,
@@ -203,40 +226,101 @@ def recipe_defaults(config: RecipeConfig) -> dict[str, Any]:
     }
 
 
+def quick_defaults(config: RecipeConfig) -> dict[str, Any]:
+    """The defaults ``--quick`` gives on top of :func:`recipe_defaults`: batches of 64 for
+    ``config.quick_steps`` steps, into ``outputs/{name}-quick`` (the model is made small by
+    :func:`model_args`).
+
+    Example:
+        >>> quick = quick_defaults(RecipeConfig.load("cifar10_resnet18"))
+        >>> quick["per_device_train_batch_size"], quick["output_dir"]
+        (64, 'outputs/cifar10_resnet18-quick')
+    """
+    return {
+        "per_device_train_batch_size": 64,
+        "per_device_eval_batch_size": 500,
+        "max_steps": config.quick_steps,
+        "output_dir": os.path.join("outputs", f"{config.name}-quick"),
+    }
+
+
+def model_args(config: RecipeConfig, recipe_args: RecipeArguments) -> dict[str, Any]:
+    """The timm arguments the model is built with: the quick form's, under ``--quick`` for
+    the recipe's own model (they would not fit another ``--model``), else none.
+
+    Example:
+        >>> config = RecipeConfig.load("cifar10_resnet18")
+        >>> model_args(config, RecipeArguments(quick=True, model=config.model))["layers"]
+        [1, 1, 1, 1]
+    """
+    own_model = recipe_args.model == config.model
+    return dict(config.quick_model_args) if recipe_args.quick and own_model else {}
+
+
 def parse_args(
-    argv: Sequence[str] | None = None,
+    argv: Sequence[str] | None = None, recipe: str | None = None
 ) -> tuple[RecipeConfig, RecipeArguments, TriAccelArguments]:
     """Parses the flags (``sys.argv[1:]`` by default) over the recipe's defaults and checks
     them; ``--epochs`` is another name for ``--num_train_epochs``.
 
+    Args:
+        argv: the command line's flags.
+        recipe: the recipe, for the ``recipes/<name>.py`` scripts; without it ``--recipe``
+            names it.
+
     Raises:
-        ValueError: an unknown recipe, a ``--dataset`` that is neither ``embedded``, an
-            existing path nor a Hub id, or flags that contradict each other.
+        SystemExit: a flag that cannot work, said in one line that names it (an unknown
+            recipe, a ``--dataset`` that is neither ``embedded``, an existing path nor a
+            Hub id, a value out of range, flags that contradict each other).
 
     Example:
         >>> config, recipe_args, args = parse_args(
         ...     ["--recipe", "cifar100_resnet18", "--epochs", "5", "--baseline"])
         >>> config.num_classes, recipe_args.baseline, args.num_train_epochs, args.optim
         (100, True, 5.0, 'adafisher')
+        >>> args = parse_args(["--quick"], recipe="cifar10_resnet18")[2]
+        >>> args.per_device_train_batch_size, args.max_steps
+        (64, 300)
     """
-    # the recipe first: its configuration gives the other flags their defaults
+    # the recipe and --quick first: they give the other flags their defaults
     head = argparse.ArgumentParser(add_help=False)
-    head.add_argument("--recipe")
-    recipe = head.parse_known_args(argv)[0].recipe
-    config = RecipeConfig.load(recipe) if recipe else None
-    parser = HfArgumentParser(
-        (RecipeArguments, TriAccelArguments),
-        description="Train a timm image classifier with hf_triaccel"
-        + (f": {config.title}, {config.model}." if config else "."),
+    head.add_argument("--recipe", default=recipe)
+    head.add_argument("--quick", nargs="?", const=True, default=False, type=string_to_bool)
+    known = head.parse_known_args(argv)[0]
+    parser = TriAccelArgumentParser(
+        (RecipeArguments, TriAccelArguments), description="Train a timm image classifier."
     )
+    try:
+        config = RecipeConfig.load(known.recipe) if known.recipe else None
+    except ValueError as exc:
+        parser.error(str(exc))
     parser.add_argument(
         "--epochs", dest="num_train_epochs", type=float, help="Same as --num_train_epochs."
     )
-    if config is not None:
-        parser.set_defaults(**recipe_defaults(config))
-    # without --recipe, parsing stops here with the usage and the missing flag
+    if config is None:
+        parser.description += " --recipe NAME --help lists a recipe's defaults."
+    else:
+        defaults = recipe_defaults(config) | (quick_defaults(config) if known.quick else {})
+        parser.set_defaults(recipe=known.recipe, **defaults)
+        length = (
+            f"{defaults['max_steps']} steps"
+            if known.quick
+            else f"{defaults['num_train_epochs']:g} epochs"
+        )
+        parser.description = (
+            f"Train {config.model} on {config.title} with hf_triaccel. The defaults below are "
+            f"this recipe's{' quick form' if known.quick else ''}: batch "
+            f"{defaults['per_device_train_batch_size']}, {length}, {defaults['optim']} at "
+            f"learning rate {defaults['learning_rate']:g}, weight decay "
+            f"{defaults['weight_decay']:g}."
+        )
     recipe_args, args = parser.parse_args_into_dataclasses(args=argv)
-    check_arguments(recipe_args, args)
+    if config is None:
+        parser.error(f"--recipe: give one of {available()}, or the path of a YAML config")
+    try:
+        check_arguments(recipe_args, args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return config, recipe_args, args
 
 

@@ -32,6 +32,8 @@ from hf_triaccel.data.loading import EMBEDDED_ORIGIN
 from recipe_config import EMBEDDED, RecipeArguments, RecipeConfig
 
 RESULTS_NAME = "results.json"
+# the model-index identifier of the embedded slice: no Hub data set has its splits
+EMBEDDED_TYPE = "hf-triaccel-cifar10-slice"
 HISTORY_NAME = "history.json"
 # the figures of a run that the baseline comparison (results.json, model card) shows
 COMPARED = (
@@ -115,14 +117,18 @@ def timing_figures(
 
 def identity(config: RecipeConfig, recipe_args: RecipeArguments) -> dict[str, str | None]:
     """How the model card names the data: ``dataset_id`` (the Hub data set, when the data
-    is or copies one), ``dataset_type`` (model-index's identifier: the Hub id, else the
-    local data's own name) and ``dataset_name`` (its display name)."""
+    is, copies or is cut from one), ``dataset_type`` (model-index's identifier: the Hub id
+    of the data itself, else the local data's or the slice's own name) and
+    ``dataset_name`` (its display name)."""
     source = recipe_args.dataset
     if source == EMBEDDED:
+        # its results are on 1,000 test images, not the Hub data set's test split: the
+        # model-index names the slice, and the slice names where it comes from
         return {
             "dataset_id": EMBEDDED_ORIGIN,
-            "dataset_type": EMBEDDED_ORIGIN,
-            "dataset_name": "CIFAR-10, the slice shipped with hf_triaccel",
+            "dataset_type": EMBEDDED_TYPE,
+            "dataset_name": f"CIFAR-10 slice shipped with hf_triaccel (the first 5,000 "
+            f"training and 1,000 test images of {EMBEDDED_ORIGIN})",
         }
     local = Path(source).expanduser()
     if local.exists():

@@ -1,15 +1,17 @@
 """Train a recipe: one timm image classifier on one data set, with ``TriAccelTrainer`` and
 the efficiency settings on, and everything a published model needs in the output folder.
 
-Usage::
+Each recipe has its own script over this runner (``recipes/cifar10_resnet18.py``...);
+``train.py --recipe NAME`` runs the same::
 
-    accelerate launch recipes/train.py --recipe cifar10_resnet18
-    accelerate launch recipes/train.py --recipe cifar10_resnet18 --baseline   # and AdamW
-    python recipes/train.py --recipe cifar10_resnet18 --dataset embedded --max_steps 50
-    python recipes/train.py --recipe tiny_imagenet_resnet18 --help            # every flag
+    accelerate launch recipes/cifar10_resnet18.py
+    accelerate launch recipes/cifar10_resnet18.py --baseline             # and AdamW
+    python recipes/cifar10_resnet18.py --quick --dataset embedded        # sized for a CPU
+    python recipes/train.py --recipe configs/mine.yaml --help            # every flag
 
 ``--recipe`` names a configuration in ``recipes/configs/`` (data set, classes, model,
-splits) or a YAML file of the same fields. A run writes into ``output_dir``:
+splits, quick form) or a YAML file of the same fields. Before training, the run says what
+it will train and, on a CPU, about how long that takes. A run writes into ``output_dir``:
 
 - ``model.safetensors`` and ``config.json`` (``timm.models.save_for_hf``: architecture,
   class names, the input size and normalisation): ``timm.create_model("local-dir:DIR",
@@ -22,9 +24,11 @@ splits) or a YAML file of the same fields. A run writes into ``output_dir``:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import logging
+import math
 import os
 import shlex
 import sys
@@ -48,6 +52,7 @@ from recipe_config import (
     BASELINE_OPTIM,
     RecipeArguments,
     RecipeConfig,
+    model_args,
     parse_args,
 )
 from recipe_energy import EnergyMeter, total_energy
@@ -154,6 +159,120 @@ class RunOutcome:
     precision_events: list[Any]
 
 
+def planned_steps(args: TriAccelArguments, train_samples: int) -> int:
+    """The optimizer steps the Trainer will take: ``max_steps``, else the epochs' steps
+    (the last batch of an epoch kept, as the Trainer keeps it).
+
+    Example:
+        >>> args = TriAccelArguments(output_dir="out", per_device_train_batch_size=64,
+        ...                          num_train_epochs=2, use_cpu=True)
+        >>> planned_steps(args, 5000)
+        158
+    """
+    if args.max_steps > 0:
+        return args.max_steps
+    batches = math.ceil(train_samples / (args.per_device_train_batch_size * args.world_size))
+    per_epoch = max(batches // args.gradient_accumulation_steps, 1)
+    return math.ceil(args.num_train_epochs * per_epoch)
+
+
+def probe_step_seconds(model: torch.nn.Module, images: ImageTensors, batch_size: int) -> float:
+    """Seconds of one training forward and backward of ``model`` at ``batch_size``, timed
+    on a copy with random images of the data's shape (the model itself is left as it is).
+
+    A CPU's time grows with the batch: a batch of up to 32 is timed, the fastest of three
+    runs after an untimed one (other work on the machine slows some), and scaled to
+    ``batch_size``.
+
+    Example:
+        >>> from hf_triaccel.data import load_image_dataset
+        >>> data = load_image_dataset("embedded", "test", progress=False)
+        >>> probe_step_seconds(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(10)),
+        ...                    data, 64) > 0
+        True
+    """
+    probe = copy.deepcopy(model).train()
+    size = min(batch_size, 32)
+    times = []
+    # the run's random numbers stay as they were: the probe draws from its own
+    with torch.random.fork_rng(devices=[]):
+        x = torch.randn(size, *images.images.shape[1:])
+        for _ in range(4):  # the first run allocates, and initialises lazy modules
+            start = time.perf_counter()
+            probe(x).float().square().mean().backward()
+            times.append(time.perf_counter() - start)
+    return min(times[1:]) * batch_size / size
+
+
+def announce_plan(
+    config: RecipeConfig,
+    recipe_args: RecipeArguments,
+    args: TriAccelArguments,
+    data: RecipeData,
+    model: torch.nn.Module,
+) -> str:
+    """Says, before training, what the run will train and, on a CPU, about how long it
+    takes (from :func:`probe_step_seconds`); on a CPU, the full recipe's message points
+    to ``--quick``. Logged on the main process, and returned."""
+    steps = planned_steps(args, len(data.train))
+    batch = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    form = " --quick" if recipe_args.quick else ""
+    message = (
+        f"{config.name}{form}: {recipe_args.model} ({params:.2f} M parameters), {steps} "
+        f"optimizer steps of {batch} images ({steps * batch / len(data.train):.1f} epochs of "
+        f"{len(data.train):,} images) on {args.device.type}"
+    )
+    if data.eval is not None:
+        every = f"{args.eval_steps:g} steps" if args.eval_strategy == "steps" else "epoch"
+        message += f", evaluating {len(data.eval):,} images every {every} and at the end"
+    if args.device.type == "cpu":
+        step_s = probe_step_seconds(model, data.train, args.per_device_train_batch_size)
+        message += (
+            f". One step of this model takes about {step_s:.2f} s here: about "
+            f"{duration(steps * step_s)} of training"
+        )
+        if not recipe_args.quick:
+            message += "; --quick trains the form of this recipe sized for a CPU"
+    if args.process_index == 0:
+        logger.info("%s.", message)
+    return message + "."
+
+
+def duration(seconds: float) -> str:
+    """A duration as a person reads it.
+
+    Example:
+        >>> duration(42.0), duration(390.0), duration(3 * 3600 + 600.0)
+        ('42 s', '6.5 min', '3.2 h')
+    """
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def typed_command(argv: list[str], recipe: str | None) -> str:
+    """The command that started the run, as the process can tell it: ``accelerate
+    launch`` (whose own options the script does not see) when Accelerate's launcher
+    started it, else ``python``; then the recipe script as it was typed (``recipes/train.py
+    --recipe NAME`` when the run did not come from one) and the flags.
+
+    Example:
+        >>> typed_command(["--quick"], "cifar10_resnet18")  # called from outside the scripts
+        'python recipes/train.py --recipe cifar10_resnet18 --quick'
+    """
+    # every `accelerate launch` sets the mixed precision it chose for its processes
+    accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
+    launcher = ["accelerate", "launch"] if accelerate else ["python"]
+    typed = Path(sys.argv[0])
+    ours = typed.suffix == ".py" and typed.resolve().parent == Path(__file__).resolve().parent
+    script = sys.argv[0] if ours else "recipes/train.py"
+    flags = ["--recipe", recipe, *argv] if recipe and Path(script).stem != recipe else argv
+    return shlex.join([*launcher, script, *flags])
+
+
 def train_and_evaluate(
     config: RecipeConfig, recipe_args: RecipeArguments, args: TriAccelArguments, data: RecipeData
 ) -> RunOutcome | None:
@@ -164,7 +283,10 @@ def train_and_evaluate(
         The run's outcome on the main process, ``None`` on the others.
     """
     set_seed(args.seed)  # the same initial weights for a run and its baseline
-    model = create_cifar_model(recipe_args.model, num_classes=config.num_classes)
+    model = create_cifar_model(
+        recipe_args.model, num_classes=config.num_classes, **model_args(config, recipe_args)
+    )
+    plan = announce_plan(config, recipe_args, args, data, model)
     trainer = TriAccelTrainer(
         model=model,
         args=args,
@@ -210,6 +332,9 @@ def train_and_evaluate(
         "recipe": config.name,
         "title": config.title,
         "model": recipe_args.model,
+        "model_args": model_args(config, recipe_args),
+        "quick": recipe_args.quick,
+        "plan": plan,
         "dataset": recipe_args.dataset,
         **data.identity,
         "train_split": config.train_split,
@@ -251,9 +376,14 @@ def baseline_arguments(args: TriAccelArguments, recipe_args: RecipeArguments) ->
     )
 
 
-def run_recipe(argv: list[str] | None = None) -> dict[str, Any] | None:
+def run_recipe(argv: list[str] | None = None, recipe: str | None = None) -> dict[str, Any] | None:
     """Runs a recipe: the baseline first when asked, then the run, its results, plots and
     model card, then the Hub upload when asked.
+
+    Args:
+        argv: the flags (``sys.argv[1:]`` by default).
+        recipe: the recipe, for the ``recipes/<name>.py`` scripts; without it ``--recipe``
+            names it.
 
     Returns:
         The run's results (as in ``results.json``) on the main process, ``None`` on others.
@@ -262,7 +392,7 @@ def run_recipe(argv: list[str] | None = None) -> dict[str, Any] | None:
         PushToHubError: ``--push_to_hub`` failed; every output is already written.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    config, recipe_args, args = parse_args(argv)
+    config, recipe_args, args = parse_args(argv, recipe=recipe)
     push = args.push_to_hub
     # The Trainer would create the Hub repository when it starts: the push happens here
     # instead, once every output is written.
@@ -289,7 +419,7 @@ def run_recipe(argv: list[str] | None = None) -> dict[str, Any] | None:
         return None
     results = run.results
     results["co2"] = emissions(results, recipe_args)
-    results["command"] = shlex.join(["accelerate", "launch", "recipes/train.py", *argv])
+    results["command"] = typed_command(argv, recipe)
     results["baseline"] = results["comparison"] = None
     curves = {results["settings"]["optim"]: run.history}
     if baseline is not None:
@@ -317,12 +447,13 @@ def run_recipe(argv: list[str] | None = None) -> dict[str, Any] | None:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The entry point: runs the recipe, returns the exit status (1 when ``--push_to_hub``
-    failed, the reason printed; the outputs stay)."""
+def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
+    """The entry point: runs the recipe (``recipe``, else the one ``--recipe`` names),
+    returns the exit status (1 when ``--push_to_hub`` failed, the reason printed; the
+    outputs stay; 2 for a flag that cannot work, said in one line)."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
-        run_recipe(argv)
+        run_recipe(argv, recipe)
     except PushToHubError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

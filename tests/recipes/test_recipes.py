@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -25,10 +28,11 @@ import train  # noqa: E402
 from huggingface_hub import ModelCard  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from hf_triaccel.data import load_image_dataset  # noqa: E402
 from hf_triaccel.integrations import model_card  # noqa: E402
 from hf_triaccel.integrations.telemetry import REPORT_NAME  # noqa: E402
 
-from .conftest import write_split  # noqa: E402
+from .conftest import RECIPES_DIR, write_split  # noqa: E402
 
 CLASSES = {
     "cifar10_resnet18": 10,
@@ -202,7 +206,8 @@ def test_failed_push_says_why_and_keeps_every_output(run_with_baseline_and_faile
     for file in ("model.safetensors", "results.json", "README.md", "loss.png"):
         assert (out / file).is_file(), file
     card = (out / "README.md").read_text()
-    assert 'timm.create_model("hf-hub:me/cifar10-resnet18", pretrained=True)' in card
+    # not published: the card loads the model from the folder it sits in
+    assert f'timm.create_model("local-dir:{out.resolve()}", pretrained=True)' in card
     assert "import hf_triaccel" in card and "hf_triaccel.recipes" not in card
 
 
@@ -252,14 +257,17 @@ def test_data_with_other_classes_is_refused(recipe, classes, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
-def test_embedded_slice_is_named_by_its_hub_data_set(tmp_path):
+def test_embedded_slice_is_named_as_a_slice_of_its_hub_data_set(tmp_path):
     argv = tiny_run("cifar10_resnet18", "embedded", tmp_path)
     results = train.run_recipe([*argv, "--per_device_eval_batch_size", "500"])
-    assert results["dataset_id"] == results["dataset_type"] == "uoft-cs/cifar10"
-    assert "slice" in results["dataset_name"] and results["eval_samples"] == 1000
+    # the results are on the slice's 1,000 test images, not on the Hub data set's split
+    assert results["dataset_id"] == "uoft-cs/cifar10" and results["eval_samples"] == 1000
+    assert results["dataset_type"] == recipe_results.EMBEDDED_TYPE
+    assert "1,000 test images of uoft-cs/cifar10" in results["dataset_name"]
     card = (tmp_path / "README.md").read_text()
     result = front_matter(card)["model-index"][0]["results"][0]
-    assert result["dataset"]["type"] == "uoft-cs/cifar10"
+    assert result["dataset"]["type"] == recipe_results.EMBEDDED_TYPE != "uoft-cs/cifar10"
+    assert result["dataset"]["name"] == results["dataset_name"]
     assert result["metrics"][0]["name"] == "Accuracy (1000 test images)"
 
 
@@ -300,15 +308,91 @@ def test_columns_can_be_named_on_the_command_line(tmp_path):
     assert results["num_classes"] == 10
 
 
+def usage_error(capsys, argv: list[str], recipe: str | None = None) -> str:
+    """The one line a command line that cannot work prints, exiting with status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        recipe_config.parse_args(argv, recipe=recipe)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith("\n") and err.count("\n") == 1, err
+    return err
+
+
 @pytest.mark.parametrize("dataset", ["cifar10_local", "data/cifar10/extra"])
-def test_a_dataset_that_is_neither_a_path_nor_a_hub_id_fails_at_once(dataset, tmp_path):
-    with pytest.raises(ValueError, match=r"--dataset .*no such file or folder.*owner/name"):
-        recipe_config.parse_args(["--recipe", "cifar10_resnet18", "--dataset", dataset])
+def test_a_dataset_that_is_neither_a_path_nor_a_hub_id_fails_at_once(dataset, capsys):
+    error = usage_error(capsys, ["--recipe", "cifar10_resnet18", "--dataset", dataset])
+    assert re.search(r"error: --dataset .*no such file or folder.*owner/name", error)
 
 
-def test_unknown_recipe_lists_the_recipes():
-    with pytest.raises(ValueError, match=r"no such recipe; choose one of \[.*cifar100_resnet18"):
-        recipe_config.parse_args(["--recipe", "cifar1000"])
+def test_unknown_recipe_lists_the_recipes(capsys):
+    error = usage_error(capsys, ["--recipe", "cifar1000"])
+    assert re.search(r"no such recipe; choose one of \[.*cifar100_resnet18", error)
+    assert "--recipe" in usage_error(capsys, ["--epochs", "3"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--adafisher_gamma", "2"], "error: --adafisher_gamma 2.0: needs 0 < gamma < 1"),
+        (["--adafisher_gamma", "x"], "--adafisher-gamma: invalid float value: 'x'"),
+        (
+            ["--optim", "adamw_torch_fuse"],
+            "--optim 'adamw_torch_fuse' is not a known optimizer; "
+            "did you mean 'adamw_torch_fused'?",
+        ),
+        (["--adafisher_gama", "0.5"], "--adafisher_gama 0.5; did you mean '--adafisher_gamma'?"),
+        (["--triaccel_precision", "--optim", "sgd"], "--triaccel_precision True: needs optim"),
+    ],
+)
+def test_a_flag_that_cannot_work_is_named_in_one_line(flags, message, capsys):
+    error = usage_error(capsys, flags, recipe="cifar10_resnet18")
+    assert error.startswith(f"{Path(sys.argv[0]).name}: error: ") and message in error
+    assert "Traceback" not in error and "TriAccelArguments." not in error
+
+
+def test_a_recipe_script_exits_with_one_line_for_a_bad_flag():
+    script = RECIPES_DIR / "cifar10_resnet18.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--adafisher_gamma", "2"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "cifar10_resnet18.py: error: --adafisher_gamma 2.0: needs 0 < gamma < 1\n"
+
+
+@pytest.mark.parametrize("recipe", sorted(CLASSES))
+def test_each_recipe_script_helps_with_its_own_defaults(recipe):
+    done = subprocess.run(
+        [sys.executable, str(RECIPES_DIR / f"{recipe}.py"), "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    config = recipe_config.RecipeConfig.load(recipe)
+    help_text = " ".join(done.stdout.split())
+    assert (
+        f"Train {config.model} on {config.title} with hf_triaccel. The defaults below are this "
+        "recipe's: batch 512, 30 epochs, adafisher at learning rate 0.003, weight decay 0.0005."
+    ) in help_text
+    for flag, default in [
+        ("--per_device_train_batch_size", "512"),
+        ("--num_train_epochs", "30.0"),
+        ("--learning_rate", "0.003"),
+        ("--weight_decay", "0.0005"),
+        ("--optim", "adafisher"),
+        ("--model", config.model),
+        ("--output_dir", f"outputs/{recipe}"),
+    ]:
+        start = help_text.index(f" {flag} ")
+        end = help_text.index(" --", help_text.index(")", start))
+        assert f"(default: {default})" in help_text[start:end], flag
+
+
+def test_the_runner_without_a_recipe_says_how_to_see_one(capsys):
+    with pytest.raises(SystemExit):
+        recipe_config.parse_args(["--help"])
+    assert "--recipe NAME --help lists a recipe's defaults" in " ".join(
+        capsys.readouterr().out.split()
+    )
 
 
 @pytest.mark.parametrize(
@@ -339,15 +423,94 @@ def test_defaults_are_the_efficiency_settings():
     assert recipe_args.plot and not recipe_args.baseline
 
 
-def test_flags_override_the_defaults():
+def test_flags_override_the_defaults(capsys):
     _, recipe_args, args = recipe_config.parse_args(
         ["--recipe", "cifar10_resnet18", "--epochs", "5", "--optim", "adafisherw", "--no_plot"]
     )
     assert args.num_train_epochs == 5 and args.optim == "adafisherw" and not recipe_args.plot
-    with pytest.raises(ValueError, match="--baseline and --compare_to"):
-        recipe_config.parse_args(
-            ["--recipe", "cifar10_resnet18", "--baseline", "--compare_to", "elsewhere"]
-        )
+    argv = ["--recipe", "cifar10_resnet18", "--baseline", "--compare_to", "elsewhere"]
+    assert "--baseline and --compare_to" in usage_error(capsys, argv)
+
+
+@pytest.mark.parametrize("recipe", sorted(CLASSES))
+def test_quick_form_is_sized_for_a_cpu_and_flags_still_win(recipe):
+    config, recipe_args, args = recipe_config.parse_args(["--quick"], recipe=recipe)
+    assert recipe_args.quick and (args.per_device_train_batch_size, args.max_steps) == (
+        64,
+        config.quick_steps,
+    )
+    assert args.output_dir == f"outputs/{recipe}-quick" and args.optim == "adafisher"
+    full = timm.create_model(config.model, num_classes=config.num_classes)
+    quick = timm.create_model(
+        config.model,
+        num_classes=config.num_classes,
+        **recipe_config.model_args(config, recipe_args),
+    )
+    size = sum(p.numel() for p in quick.parameters())
+    assert size <= sum(p.numel() for p in full.parameters())
+    _, _, args = recipe_config.parse_args(["--quick", "--max_steps", "7"], recipe=recipe)
+    assert args.max_steps == 7 and args.per_device_train_batch_size == 64
+    # another model keeps its own shape: the quick form's arguments fit the recipe's model
+    _, other, _ = recipe_config.parse_args(["--quick", "--model", "test_resnet"], recipe=recipe)
+    assert recipe_config.model_args(config, other) == {}
+
+
+def test_quick_run_says_its_cost_first_and_saves_a_model_that_loads(tmp_path, caplog):
+    argv = ["--quick", "--dataset", "embedded", "--output_dir", str(tmp_path), "--use_cpu"]
+    argv += ["--max_steps", "2", "--eval_strategy", "no", "--disable_tqdm", "true", "--no_plot"]
+    with caplog.at_level("INFO", logger="recipes"):
+        results = train.run_recipe(argv, recipe="cifar10_resnet18")
+    plan = caplog.records[0].getMessage()
+    assert plan == results["plan"] + "." or plan == results["plan"]
+    assert plan.startswith("cifar10_resnet18 --quick: resnet18_cifar (0.32 M parameters), 2 ")
+    assert "optimizer steps of 64 images" in plan and "of training" in plan
+    assert "--quick trains" not in plan  # the hint is for the full recipe
+    assert results["model_args"] == {
+        "layers": [1, 1, 1, 1],
+        "channels": [16, 32, 64, 128],
+        "stem_width": 16,
+    }
+    loaded = timm.create_model(f"local-dir:{tmp_path}", pretrained=True)
+    assert sum(p.numel() for p in loaded.parameters()) == 318186
+
+
+def test_the_full_recipe_on_a_cpu_points_to_the_quick_form():
+    config, recipe_args, args = recipe_config.parse_args(
+        ["--use_cpu", "--model", "test_resnet", "--eval_strategy", "no"], recipe="cifar10_resnet18"
+    )
+    data = load_image_dataset("embedded", "test", progress=False)
+    plan = train.announce_plan(
+        config,
+        recipe_args,
+        args,
+        train.RecipeData(data, None, {}),
+        timm.create_model("test_resnet"),
+    )
+    # 1,000 images in batches of 512: 2 steps an epoch, 30 epochs
+    assert "60 optimizer steps of 512 images (30.7 epochs of 1,000 images) on cpu" in plan
+    assert re.search(r"about [0-9.]+ s here: about [0-9.]+ (s|min|h) of training", plan)
+    assert plan.endswith("; --quick trains the form of this recipe sized for a CPU.")
+
+
+@pytest.mark.parametrize(
+    ("argv0", "accelerate", "command"),
+    [
+        ("recipes/cifar10_resnet18.py", False, "python recipes/cifar10_resnet18.py --quick"),
+        (
+            "recipes/cifar10_resnet18.py",
+            True,
+            "accelerate launch recipes/cifar10_resnet18.py --quick",
+        ),
+        ("recipes/train.py", False, "python recipes/train.py --recipe cifar10_resnet18 --quick"),
+    ],
+)
+def test_the_command_is_recorded_as_typed(argv0, accelerate, command, monkeypatch):
+    monkeypatch.chdir(RECIPES_DIR.parent)
+    monkeypatch.setattr(sys, "argv", [argv0, "--quick"])
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    if accelerate:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert train.typed_command(["--quick"], "cifar10_resnet18") == command
 
 
 def test_a_config_file_outside_the_folder_is_a_recipe(tmp_path):
