@@ -34,6 +34,7 @@ interruption and only trains what is missing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -286,21 +287,20 @@ class TextData:
     tokens: dict[str, int]
 
     @classmethod
-    def load(cls, recipe_args: TextRecipeArguments) -> TextData:
+    @functools.lru_cache(maxsize=1)
+    def load(cls, dataset: str, config_name: str, block_size: int) -> TextData:
         """Reads the splits, builds the vocabulary of the training split, packs each split.
+        The last data set stays cached: the runs of a grid in one process read it once.
 
         Raises:
             UsageError: data without a split or its text column, or too short for a block.
         """
         try:
             lines = {
-                split: load_text_split(
-                    recipe_args.dataset, split, config_name=recipe_args.dataset_config
-                )
-                for split in SPLITS
+                split: load_text_split(dataset, split, config_name=config_name) for split in SPLITS
             }
         except (ValueError, FileNotFoundError) as exc:
-            raise UsageError(f"--dataset {recipe_args.dataset}: {exc}") from None
+            raise UsageError(f"--dataset {dataset}: {exc}") from None
         words = word_level_tokenizer(lines["train"])
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_object=words,
@@ -312,7 +312,7 @@ class TextData:
             pad_token=EOS,
             # GPT-2 would embed token_type_ids with its word embeddings: never produce them
             model_input_names=["input_ids", "attention_mask"],
-            model_max_length=recipe_args.block_size,
+            model_max_length=block_size,
             # decoded text keeps the corpus's tokenisation (" ." stays " .")
             clean_up_tokenization_spaces=False,
         )
@@ -321,7 +321,7 @@ class TextData:
             ids = token_ids(split_lines, words)
             tokens[split] = len(ids)
             try:
-                blocks[split] = pack_blocks(ids, recipe_args.block_size)
+                blocks[split] = pack_blocks(ids, block_size)
             except ValueError as exc:
                 raise UsageError(f"split {split!r}: {exc} (--block_size)") from None
         return cls(tokenizer, blocks, tokens)
@@ -526,8 +526,8 @@ def recorded(runs_file: str | None, key: dict[str, Any]) -> bool:
         return any(json.loads(line)["key"] == key for line in f if line.strip())
 
 
-def record(runs_file: str, key: dict[str, Any], results: dict[str, Any]) -> None:
-    """Appends one finished run to ``runs_file`` (one JSON line)."""
+def record(runs_file: str, key: dict[str, Any], name: str | None, results: dict[str, Any]) -> None:
+    """Appends one finished run to ``runs_file`` (one JSON line), with its ``--run_name``."""
     kept = (
         "eval_perplexity",
         "best_eval_perplexity",
@@ -543,7 +543,7 @@ def record(runs_file: str, key: dict[str, Any], results: dict[str, Any]) -> None
         "output_dir",
         "curve",
     )
-    line = {"key": key, **{k: results.get(k) for k in kept}}
+    line = {"key": key, "name": name, **{k: results.get(k) for k in kept}}
     Path(runs_file).parent.mkdir(parents=True, exist_ok=True)
     with open(runs_file, "a") as f:
         f.write(json.dumps(line) + "\n")
@@ -759,7 +759,7 @@ def run_one(
     if outcome is not None:
         outcome.results["co2"] = emissions(outcome.results, recipe_args)
         if recipe_args.runs_file is not None:
-            record(recipe_args.runs_file, key, outcome.results)
+            record(recipe_args.runs_file, key, args.run_name, outcome.results)
     return outcome
 
 
@@ -788,7 +788,7 @@ def run_recipe(argv: list[str], prog: str | None = None) -> dict[str, Any] | Non
     # the Trainer would create the Hub repository when it starts: the push happens here
     # instead, once every output is written
     args = schedule(recipe_args, dataclasses.replace(args, push_to_hub=False), given_flags(argv))
-    data = TextData.load(recipe_args)
+    data = TextData.load(recipe_args.dataset, recipe_args.dataset_config, recipe_args.block_size)
     if recipe_args.dry_run:
         model = build_model(recipe_args, len(data.tokenizer), data.tokenizer.eos_token_id)
         print(
