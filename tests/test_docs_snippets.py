@@ -4,7 +4,10 @@ The blocks are the ```python fences of README.md and recipes/README.md, and the 
 model-card template as a recipe run renders it. Each runs on its own, in a fresh namespace
 in an empty working folder: a block must hold its imports and its small model and data.
 A block whose first line is :data:`GPU_MARK` needs CUDA and is skipped without it. Shell
-blocks (indented, or fenced as anything but python) are not run.
+blocks (indented, or fenced as anything but python) are not run. The README blocks run
+with warnings turned into errors and fail on a warning logged by transformers or
+hf_triaccel: a reader could not act on one; :data:`UNAVOIDABLE_WARNINGS` names, with its
+reason, any that a block cannot avoid.
 
 The card's block loads the model from the run's folder (``local-dir:``) and, once the run
 is published, from the Hub (``hf-hub:``); here the Hub is offline and its cache holds the
@@ -15,8 +18,12 @@ tests/test_timm_models.py.)
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "recipes/README.md")
 GPU_MARK = "# Needs a CUDA GPU"
 _FENCE = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+# warning message (a regular expression) -> why a documentation block cannot avoid it
+UNAVOIDABLE_WARNINGS: dict[str, str] = {}
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -38,6 +47,40 @@ def run_block(code: str, name: str) -> None:
     if code.startswith(GPU_MARK) and not torch.cuda.is_available():
         pytest.skip("the block is marked as needing a CUDA GPU")
     exec(compile(code, name, "exec"), {"__name__": "__main__"})
+
+
+class _Logged(logging.Handler):
+    """Keeps the messages of the records it receives."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.name}: {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def no_warnings() -> Iterator[None]:
+    """Turns warnings into errors and fails on a warning logged meanwhile (transformers'
+    loggers do not propagate to the root), but those of :data:`UNAVOIDABLE_WARNINGS`."""
+    logged = _Logged()
+    loggers = [logging.getLogger(), logging.getLogger("transformers")]
+    for logger in loggers:
+        logger.addHandler(logged)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for message in UNAVOIDABLE_WARNINGS:
+                warnings.filterwarnings("default", message=message)
+            yield
+    finally:
+        for logger in loggers:
+            logger.removeHandler(logged)
+    unexpected = [
+        m for m in logged.messages if not any(re.search(a, m) for a in UNAVOIDABLE_WARNINGS)
+    ]
+    assert not unexpected, unexpected
 
 
 def doc_blocks() -> list:
@@ -59,7 +102,8 @@ def test_the_harness_finds_the_blocks():
 @pytest.mark.parametrize("code", doc_blocks())
 def test_doc_block_runs(code, request, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    run_block(code, request.node.callspec.id)
+    with no_warnings():
+        run_block(code, request.node.callspec.id)
 
 
 def test_model_card_block_loads_the_run_and_the_published_model(tmp_path, monkeypatch):
@@ -106,6 +150,7 @@ def test_readme_says_what_the_main_job_does_and_costs():
     readme = (ROOT / "README.md").read_text()
     setup = readme[readme.index("## Set-up") : readme.index("## Quickstart: plain PyTorch")]
     assert "python3 -m hf_triaccel.quickstart" in setup
-    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in setup
+    cpu = "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu in setup
     for text in ("AdaFisherW", "AdamW", "CPU (2 cores)", "GPU (one NVIDIA H200)", "test accuracy"):
         assert text in setup, text
