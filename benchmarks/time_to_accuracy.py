@@ -11,10 +11,12 @@ size is the best accuracy AdamW reaches within :data:`TARGET_EPOCHS` epochs.
 
 Time: runs that share a GPU (``--workers``) overlap, so their own ``train_seconds`` do
 not time the optimizer. ``--timing`` trains each arm of the grid alone for
-``--timing_epochs`` epochs and appends its steady epoch time (the median of the epochs
-after the first, which holds cuDNN's autotuning) to ``--times``; a budget's training time
-is then ``budget x`` that. A run made alone (``workers`` 1) without a timing record is
-timed by its own ``train_seconds``.
+``--timing_epochs`` epochs, the arms in turn, ``--timing_rounds`` times, and appends each
+run's steady epoch time (the median of the epochs after the first, which holds cuDNN's
+autotuning) to ``--times``; a budget's training time is ``budget x`` the median over an
+arm's rounds. The time is the arm's at that batch size, whatever the data set: the data
+sets of a comparison differ only in the classifier's width. A run made alone
+(``workers`` 1) without a timing record is timed by its own ``train_seconds``.
 
 ``--summarise`` prints, per data set and batch size, every arm's accuracy per budget and
 time to target; ``--chosen FILE`` also writes the values the package ships (the
@@ -32,9 +34,11 @@ Usage:
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -69,7 +73,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--stop_after", type=float, help="seconds: start no run after them")
     parser.add_argument("--results", type=Path, default=equal_epochs.RESULTS, help="JSON lines")
     parser.add_argument("--timing", action="store_true", help="time each arm alone instead")
-    parser.add_argument("--timing_epochs", type=int, default=4)
+    parser.add_argument("--timing_epochs", type=int, default=3)
+    parser.add_argument("--timing_rounds", type=int, default=3)
     parser.add_argument("--times", type=Path, default=TIMES, help="epoch times, JSON lines")
     parser.add_argument("--summarise", type=Path, nargs="+", help="only summarise these files")
     parser.add_argument("--chosen", type=Path, help="write the chosen values (JSON) here")
@@ -93,15 +98,15 @@ def run_grid(args: argparse.Namespace) -> int:
     return equal_epochs.main(argv + ["--smoke"] * args.smoke)
 
 
-def time_key(record: dict[str, Any]) -> tuple[str, str, int]:
-    return record["dataset"], record["arm"], record["batch_size"]
+def time_key(record: dict[str, Any]) -> tuple[str, int]:
+    return record["arm"], record["batch_size"]
 
 
 def run_timing(args: argparse.Namespace) -> int:
     """Each arm of the grid trained alone for ``--timing_epochs`` (at its first
-    configuration: the time does not depend on it); its steady epoch time appended to
-    ``--times``. Returns the failures."""
-    done = {time_key(r) for r in equal_epochs.read_records([args.times])}
+    configuration: the time does not depend on it), the arms in turn, until each has
+    ``--timing_rounds`` records in ``--times``. Returns the failures."""
+    done = Counter(time_key(r) for r in equal_epochs.read_records([args.times]))
     args.times.parent.mkdir(parents=True, exist_ok=True)
     batch_size = 8 if args.smoke else args.batch_size
     grid = argparse.Namespace(data=args.data, epochs=[args.timing_epochs], seeds=[0])
@@ -110,10 +115,12 @@ def run_timing(args: argparse.Namespace) -> int:
         (arm, lrs[:1], wds[:1]) for arm, lrs, wds in map(equal_epochs.parse_spec, args.grid)
     ]
     failed, data = 0, {}
-    for job in equal_epochs.jobs(grid):
+    rounds = itertools.product(range(args.timing_rounds), equal_epochs.jobs(grid))
+    for i, job in rounds:
         dataset = Path(job["data"]).name
-        if (dataset, job["arm"], batch_size) in done:
+        if done[(job["arm"], batch_size)] > i:
             continue
+        done[(job["arm"], batch_size)] += 1
         run_args = equal_epochs.train_args(job, grid)
         if job["data"] not in data:
             data[job["data"]] = train_cifar.load_data(run_args)
@@ -135,8 +142,11 @@ def run_timing(args: argparse.Namespace) -> int:
 
 
 def epoch_times(times: list[dict[str, Any]]) -> dict[tuple, float]:
-    """(data set, arm, batch) -> steady epoch seconds; the latest record wins."""
-    return {time_key(t): t["epoch_seconds"] for t in times}
+    """(arm, batch) -> steady epoch seconds, the median over the records."""
+    rounds: dict[tuple, list[float]] = {}
+    for t in times:
+        rounds.setdefault(time_key(t), []).append(t["epoch_seconds"])
+    return {key: statistics.median(seconds) for key, seconds in rounds.items()}
 
 
 def summarise(records: list[dict[str, Any]], times: list[dict[str, Any]]) -> dict[tuple, dict]:
@@ -147,7 +157,7 @@ def summarise(records: list[dict[str, Any]], times: list[dict[str, Any]]) -> dic
     solo = {}  # a run made alone times itself
     for r in records:
         if r.get("workers", 1) == 1:
-            solo[(*time_key(r), r["budget_epochs"])] = r["train_seconds"]
+            solo[(r["dataset"], *time_key(r), r["budget_epochs"])] = r["train_seconds"]
     out: dict[tuple, dict] = {}
     for (dataset, epochs, batch), arms in equal_epochs.summarise(records).items():
         entry = out.setdefault((dataset, batch), {"arms": {}})
@@ -155,7 +165,7 @@ def summarise(records: list[dict[str, Any]], times: list[dict[str, Any]]) -> dic
             if found["best"] is None:
                 continue
             config = found["configs"][found["best"]]
-            seconds = per_epoch.get((dataset, arm, batch))
+            seconds = per_epoch.get((arm, batch))
             seconds = epochs * seconds if seconds else solo.get((dataset, arm, batch, epochs))
             runs = entry["arms"].setdefault(arm, {})
             runs[epochs] = {"accuracy": config["mean"], "seeds": config["n"], "seconds": seconds}
