@@ -4,8 +4,9 @@ In a fresh virtual environment it runs the README's CPU install command (torch a
 torchvision together, from PyTorch's CPU index), then the package's own install
 (``pip install -e ".[hf]"``), then asks that environment's Python whether torch was built
 with CUDA and which ``nvidia-*`` distributions are installed. It prints one dated line
-with the findings and exits 0 when torch has no CUDA and no ``nvidia-*`` distribution came,
-else 1. Both installs need the network.
+with the findings and exits 0 when torch has no CUDA, no ``nvidia-*`` distribution came
+and torchvision's compiled operators load (a torchvision built for another torch does not
+load them), else 1. Both installs need the network.
 
 Usage::
 
@@ -16,7 +17,9 @@ Usage::
 Example:
     >>> cpu_install_command()[-2:]
     ['--index-url', 'https://download.pytorch.org/whl/cpu']
-    >>> verdict({"torch": "2.9.0+cpu", "cuda": None, "nvidia": []}).endswith(": OK")
+    >>> found = {"torch": "2.9.0+cpu", "cuda": None, "nvidia": [],
+    ...          "torchvision": "0.24.0+cpu", "torchvision_ops": True}
+    >>> verdict(found).endswith(": OK")
     True
 """
 
@@ -39,7 +42,15 @@ PROBE = """
 import importlib.metadata, json, torch
 names = {d.metadata["Name"] for d in importlib.metadata.distributions()}
 nvidia = sorted(n for n in names if n.lower().startswith("nvidia"))
-print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "nvidia": nvidia}))
+try:  # a torchvision built for another torch fails on import, registering its operators
+    import torchvision
+    torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
+    ops = True
+except RuntimeError:
+    ops = False
+found = {"torch": torch.__version__, "cuda": torch.version.cuda, "nvidia": nvidia}
+vision = importlib.metadata.version("torchvision")
+print(json.dumps({**found, "torchvision": vision, "torchvision_ops": ops}))
 """
 
 
@@ -57,8 +68,8 @@ def cpu_install_command() -> list[str]:
 
 
 def probe(python: str) -> dict[str, Any]:
-    """What ``python``'s environment holds: torch's version, its CUDA version and the
-    ``nvidia-*`` distributions."""
+    """What ``python``'s environment holds: torch's version, its CUDA version, the
+    ``nvidia-*`` distributions, torchvision's version and whether its operators load."""
     done = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
 
@@ -70,10 +81,12 @@ def verdict(found: dict[str, Any]) -> str:
         problems.append(f"torch.version.cuda is {found['cuda']}")
     if found["nvidia"]:
         problems.append(f"nvidia distributions installed: {', '.join(found['nvidia'])}")
+    if not found["torchvision_ops"]:
+        problems.append("torchvision's operators do not load: it was built for another torch")
     return (
         f"{datetime.date.today().isoformat()} CPU install check: torch {found['torch']}, "
-        f"torch.version.cuda {found['cuda']}, {len(found['nvidia'])} nvidia-* distributions: "
-        + ("; ".join(problems) if problems else "OK")
+        f"torch.version.cuda {found['cuda']}, {len(found['nvidia'])} nvidia-* distributions, "
+        f"torchvision {found['torchvision']}: " + ("; ".join(problems) if problems else "OK")
     )
 
 
