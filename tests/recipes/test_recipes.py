@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import doctest
 import io
 import json
 import re
@@ -92,6 +93,12 @@ class OfflineHfApi:
 
     def create_repo(self, *args, **kwargs):
         raise ConnectionError("Failed to resolve 'huggingface.co'")
+
+
+@pytest.mark.parametrize("module", [recipe_config, recipe_energy, recipe_results, train])
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
 
 
 def test_every_recipe_config_is_tested():
