@@ -4,7 +4,7 @@ The blocks are the ```python fences of README.md and recipes/README.md, and the 
 model-card template as a recipe run renders it. Each runs on its own, in a fresh namespace
 in an empty working folder: a block must hold its imports and its small model and data.
 A block whose first line is :data:`GPU_MARK` needs CUDA and is skipped without it. Shell
-blocks (indented, or fenced as anything but python) are not run. The README blocks run
+blocks (indented, or fenced as anything but python) are not run. The READMEs' blocks run
 with warnings turned into errors and fail on a warning logged by transformers or
 hf_triaccel: a reader could not act on one; :data:`UNAVOIDABLE_WARNINGS` names, with its
 reason, any that a block cannot avoid.
