@@ -49,7 +49,9 @@ class RecipeConfig:
         model: the timm model name (``--model`` overrides it).
         train_split: the training split.
         eval_split: the split evaluated during training and reported.
-        quick_model_args: under ``--quick``, the timm arguments that make ``model`` small
+        quick_model: under ``--quick``, the timm model trained instead of ``model``, for a
+            model that no argument makes small (``None``: ``model``).
+        quick_model_args: under ``--quick``, the timm arguments that make the model small
             enough for a CPU (empty: the model as it is).
         quick_steps: optimizer steps under ``--quick``.
 
@@ -65,6 +67,7 @@ class RecipeConfig:
     model: str
     train_split: str = "train"
     eval_split: str = "test"
+    quick_model: str | None = None
     quick_model_args: dict[str, Any] = field(default_factory=dict)
     quick_steps: int = 300
 
@@ -227,16 +230,17 @@ def recipe_defaults(config: RecipeConfig) -> dict[str, Any]:
 
 
 def quick_defaults(config: RecipeConfig) -> dict[str, Any]:
-    """The defaults ``--quick`` gives on top of :func:`recipe_defaults`: batches of 64 for
-    ``config.quick_steps`` steps, into ``outputs/{name}-quick`` (the model is made small by
-    :func:`model_args`).
+    """The defaults ``--quick`` gives on top of :func:`recipe_defaults`: the quick form's
+    model (made small by :func:`model_args`), batches of 64 for ``config.quick_steps``
+    steps, into ``outputs/{name}-quick``.
 
     Example:
         >>> quick = quick_defaults(RecipeConfig.load("cifar10_resnet18"))
-        >>> quick["per_device_train_batch_size"], quick["output_dir"]
-        (64, 'outputs/cifar10_resnet18-quick')
+        >>> quick["model"], quick["per_device_train_batch_size"], quick["output_dir"]
+        ('resnet18_cifar', 64, 'outputs/cifar10_resnet18-quick')
     """
     return {
+        "model": config.quick_model or config.model,
         "per_device_train_batch_size": 64,
         "per_device_eval_batch_size": 500,
         "max_steps": config.quick_steps,
@@ -246,14 +250,14 @@ def quick_defaults(config: RecipeConfig) -> dict[str, Any]:
 
 def model_args(config: RecipeConfig, recipe_args: RecipeArguments) -> dict[str, Any]:
     """The timm arguments the model is built with: the quick form's, under ``--quick`` for
-    the recipe's own model (they would not fit another ``--model``), else none.
+    the quick form's model (they would not fit another ``--model``), else none.
 
     Example:
         >>> config = RecipeConfig.load("cifar10_resnet18")
         >>> model_args(config, RecipeArguments(quick=True, model=config.model))["layers"]
         [1, 1, 1, 1]
     """
-    own_model = recipe_args.model == config.model
+    own_model = recipe_args.model == (config.quick_model or config.model)
     return dict(config.quick_model_args) if recipe_args.quick and own_model else {}
 
 
