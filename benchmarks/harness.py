@@ -45,12 +45,12 @@ GIB = 2**30
 # epochs (BENCHMARKS.md: the published AdaFisher lr of 1e-3 underfits there)
 HYPERPARAMETERS = {
     "adafisherw": (1e-2, 5e-4),
-    "adafisher": (3e-3, 5e-4),
-    "adamw": (3e-3, 5e-2),
-    # SGD (Nesterov) and the curvature-off control (equal_epochs.py): the best of the
-    # CIFAR-100 15-epoch grid (BENCHMARKS.md, "Does the curvature pay?")
+    # AdaFisher, AdamW, SGD (Nesterov) and the curvature-off control: the chosen values of
+    # the CIFAR-10 15-epoch comparison (equal_epochs.py; benchmarks/results/chosen.json)
+    "adafisher": (1.2e-2, 5e-4),
+    "adamw": (2.4e-2, 0.1),
     "sgd": (0.8, 5e-4),
-    "sgd_ema": (12.0, 5e-4),
+    "sgd_ema": (6.0, 5e-4),
 }
 MOMENTUM = 0.9  # SGD's, and AdaFisher's default beta
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,17 +40,8 @@ from hf_triaccel.data import GPUBatchLoader, ImageTensors, load_image_dataset
 from hf_triaccel.integrations.timm_models import create_cifar_model
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
 
-OPTIMIZERS = ("adafisherw", "adafisher", "adamw")
-COMPARED = ("adafisherw", "adamw")
-# (learning rate, weight decay) per optimizer. AdamW's and AdaFisher's are the ones
-# measured on CIFAR-10 with a ResNet-18, batch 512, 30 epochs (BENCHMARKS.md). AdaFisherW's
-# 1e-2 there is too large for this short run: in the GPU quickstart it ended with the
-# highest training loss of 1e-3, 3e-3 and 1e-2, at chance accuracy; 3e-3 ended lowest.
-DEFAULT_HYPERPARAMETERS = {
-    "adafisherw": (3e-3, 5e-4),
-    "adafisher": (3e-3, 5e-4),
-    "adamw": (3e-3, 5e-2),
-}
+OPTIMIZERS = ("adafisher", "adamw", "adafisherw")
+COMPARED = ("adafisher", "adamw")
 # the loss of the measured CIFAR-10 runs (BENCHMARKS.md)
 LABEL_SMOOTHING = 0.1
 CPU_MODEL_ARGS: dict[str, Any] = {
@@ -62,15 +53,35 @@ CPU_MODEL_ARGS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Plan:
-    """How long each optimizer trains: ``epochs`` over the data, capped at ``max_steps``."""
+    """How long each optimizer trains (``epochs`` over the data, capped at ``max_steps``)
+    and at what (peak learning rate, weight decay)."""
 
     batch_size: int
     epochs: int
     max_steps: int | None = None
+    hyperparameters: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
-GPU_PLAN = Plan(batch_size=256, epochs=15)
-CPU_PLAN = Plan(batch_size=64, epochs=2, max_steps=100)
+# The GPU plan is the 15-epoch, batch-512 comparison of the time-to-accuracy grid on the
+# full CIFAR-10 (benchmarks/results/chosen.json): AdaFisher's and AdamW's are its chosen
+# values. AdaFisherW's is not from a grid: at 1e-2, batch 256, this run ended at chance.
+GPU_PLAN = Plan(
+    batch_size=512,
+    epochs=15,
+    hyperparameters={
+        "adafisher": (1.2e-2, 5e-4),
+        "adamw": (2.4e-2, 0.1),
+        "adafisherw": (3e-3, 5e-4),
+    },
+)
+# The CPU plan's values: the best of its own grid on the embedded slice
+# (benchmarks/quickstart_grid.py, BENCHMARKS.md)
+CPU_PLAN = Plan(
+    batch_size=64,
+    epochs=2,
+    max_steps=100,
+    hyperparameters={"adafisher": (3e-3, 5e-4), "adamw": (3e-3, 5e-2), "adafisherw": (3e-3, 5e-4)},
+)
 CUDA_WARMUP_STEPS = 5
 
 
@@ -243,6 +254,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         batch_size=plan.batch_size if args.batch_size is None else args.batch_size,
         epochs=plan.epochs if args.epochs is None else args.epochs,
         max_steps=args.max_steps if explicit_length else plan.max_steps,
+        hyperparameters=plan.hyperparameters,
     )
     args.model_args = {} if gpu else dict(CPU_MODEL_ARGS)
     args.bf16 = gpu if args.bf16 is None else args.bf16
@@ -264,7 +276,7 @@ def _build(
     model = create_cifar_model(
         "resnet18_cifar", num_classes=train_data.num_classes, **args.model_args
     ).to(args.device)
-    optimizer = build_optimizer(name, model, *DEFAULT_HYPERPARAMETERS[name])
+    optimizer = build_optimizer(name, model, *args.plan.hyperparameters[name])
     mean, std = train_data.channel_stats()
     loader = GPUBatchLoader(
         train_data,
@@ -289,7 +301,7 @@ def train_one(
 ) -> dict[str, Any]:
     """Trains a fresh model with optimizer ``name``; returns its figures."""
     device = args.device
-    lr, weight_decay = DEFAULT_HYPERPARAMETERS[name]
+    lr, weight_decay = args.plan.hyperparameters[name]
     if device.type == "cuda":
         # CUDA kernels compile and cuDNN picks its algorithms in the first steps: a
         # throwaway model pays for that, outside the timed run

@@ -1,4 +1,4 @@
-"""The quickstart: AdaFisherW beside AdamW, its flags, and a short comparison on the CPU."""
+"""The quickstart: AdaFisher beside AdamW, its flags, and a short comparison on the CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
 from hf_triaccel.quickstart import (
     CPU_MODEL_ARGS,
     CPU_PLAN,
-    DEFAULT_HYPERPARAMETERS,
     GPU_PLAN,
     autocast,
     build_optimizer,
@@ -20,9 +19,9 @@ from hf_triaccel.quickstart import (
 )
 
 
-def test_cpu_defaults_compare_adafisherw_and_adamw_on_a_small_model():
+def test_cpu_defaults_compare_adafisher_and_adamw_on_a_small_model():
     args = parse_args(["--device", "cpu"])
-    assert args.optimizers == ["adafisherw", "adamw"]
+    assert args.optimizers == ["adafisher", "adamw"]
     assert args.plan == CPU_PLAN and CPU_PLAN.max_steps == 100 and CPU_PLAN.batch_size == 64
     assert args.model_args == CPU_MODEL_ARGS and args.bf16 is False
 
@@ -48,7 +47,7 @@ def test_flags_override_the_plan():
 )
 def test_build_optimizer(name, cls):
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    lr, weight_decay = DEFAULT_HYPERPARAMETERS[name]
+    lr, weight_decay = CPU_PLAN.hyperparameters[name]
     optimizer = build_optimizer(name, model, lr=lr, weight_decay=weight_decay)
     assert type(optimizer) is cls
     model(torch.randn(5, 4)).sum().backward()
@@ -81,7 +80,7 @@ def test_both_optimizers_train_the_same_model_and_batches_side_by_side(capsys, m
     results = main(["--max_steps", "2", "--batch_size", "8", "--device", "cpu"])
     out = capsys.readouterr().out
     runs = results["runs"]
-    assert [run["optimizer"] for run in runs] == ["adafisherw", "adamw"]
+    assert [run["optimizer"] for run in runs] == ["adafisher", "adamw"]
     assert [run["steps"] for run in runs] == [2, 2]
     assert [run["learning_rate"] for run in runs] == [3e-3, 3e-3]
     for run in runs:
