@@ -29,7 +29,7 @@ Usage:
     python benchmarks/time_to_accuracy.py --data .data/cifar10 --timing \\
         --grid adamw:lr=2.4e-2:wd=0.1 sgd:lr=0.8 adafisher:lr=1.2e-2
     python benchmarks/time_to_accuracy.py --summarise benchmarks/results/equal_epochs.jsonl \\
-        --chosen benchmarks/results/chosen.json
+        --chosen benchmarks/results/chosen.json --plot docs/time_to_accuracy.png
     python benchmarks/time_to_accuracy.py --smoke --results /tmp/tta.jsonl   # CPU
 """
 
@@ -78,6 +78,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--times", type=Path, default=TIMES, help="epoch times, JSON lines")
     parser.add_argument("--summarise", type=Path, nargs="+", help="only summarise these files")
     parser.add_argument("--chosen", type=Path, help="write the chosen values (JSON) here")
+    parser.add_argument("--plot", type=Path, help="write accuracy against time (PNG) here")
     parser.add_argument("--smoke", action="store_true", help="CPU, random images, 2 steps a run")
     args = parser.parse_args(argv)
     if args.grid is None:
@@ -269,7 +270,7 @@ def chosen_values(records: list[dict[str, Any]]) -> dict[str, Any]:
 
     def beats(arm: str) -> bool:
         pairs = [(best(d, arm), best(d, PUBLISHED)) for d in stage]
-        return all(
+        return bool(pairs) and all(
             a
             and b
             and a["seeds"] >= 3
@@ -309,6 +310,53 @@ def chosen_values(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def plot(summary: dict[tuple, dict], records: list[dict[str, Any]], path: Path) -> None:
+    """Accuracy against training time, one panel per data set and batch size: both
+    baselines and the shipped rule, a point per budget (the mean over seeds, a bar from
+    the lowest to the highest seed where there are several), the target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = (*BASELINES, chosen_values(records)["rule"])
+    keys = sorted(summary)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        entry = summary[key]
+        for arm in arms:
+            runs = entry["arms"].get(arm, {})
+            budgets = [b for b in sorted(runs) if runs[b]["seconds"]]
+            seeds = [
+                [100 * r["test_accuracy"] for r in records if run_of(r, key, arm, b, runs[b])]
+                for b in budgets
+            ]
+            mean = [runs[b]["accuracy"] for b in budgets]
+            low = [m - min(s) for m, s in zip(mean, seeds, strict=True)]
+            high = [max(s) - m for m, s in zip(mean, seeds, strict=True)]
+            x = [runs[b]["seconds"] for b in budgets]
+            ax.errorbar(x, mean, yerr=[low, high], marker="o", capsize=3, label=arm)
+        if entry["target"] is not None:
+            ax.axhline(entry["target"], color="grey", linestyle="--", linewidth=1)
+        ax.set(title=f"{key[0]}, batch {key[1]}", xlabel="training time (s)")
+        ax.set(ylabel="test accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_of(record: dict[str, Any], key: tuple, arm: str, budget: int, run: dict) -> bool:
+    """Whether ``record`` is one of the seeds behind ``run`` (an arm's chosen configuration
+    at a budget of the comparison ``key``)."""
+    return (
+        (record["dataset"], record["batch_size"]) == key
+        and (record["arm"], record["budget_epochs"]) == (arm, budget)
+        and (record["lr"], record["weight_decay"]) == (run["lr"], run["weight_decay"])
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the grid (or the timing) and prints the summary, or only summarises;
     returns the failures."""
@@ -318,7 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed = run_timing(args) if args.timing else run_grid(args)
     records = equal_epochs.read_records(args.summarise or [args.results])
     times = equal_epochs.read_records([args.times])
-    print(report(summarise(records, times)))
+    summary = summarise(records, times)
+    print(report(summary))
+    if args.plot is not None:
+        plot(summary, records, args.plot)
     if args.chosen is not None:
         args.chosen.write_text(json.dumps(chosen_values(records), indent=2) + "\n")
     return failed

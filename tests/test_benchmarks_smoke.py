@@ -305,7 +305,7 @@ def _timing(arm: str, seconds: float) -> dict:
     return {"dataset": "c", "arm": arm, "batch_size": 512, "epoch_seconds": seconds}
 
 
-def test_time_to_accuracy_summary(bench):
+def test_time_to_accuracy_summary(bench, tmp_path):
     tta = bench("time_to_accuracy")
     records = [
         _budget_run("adamw", 10, 0.80),
@@ -334,6 +334,8 @@ def test_time_to_accuracy_summary(bench):
     text = tta.report({("c", 512): entry})
     assert "| adafisher | 48.0 s | 40 epochs | 1.20x |" in text
     assert "| curvature_off | not reached | | |" in text
+    tta.plot({("c", 512): entry}, records, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
     # without timing records, a run made alone times itself and a shared one is n/a
     alone = [{**r, "workers": 1, "train_seconds": 30.0} for r in records if r["arm"] == "sgd"]
     entry = tta.summarise([*records[:4], *alone], [])[("c", 512)]
