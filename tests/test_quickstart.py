@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -82,7 +85,9 @@ def test_both_optimizers_train_the_same_model_and_batches_side_by_side(capsys, m
     runs = results["runs"]
     assert [run["optimizer"] for run in runs] == ["adafisher", "adamw"]
     assert [run["steps"] for run in runs] == [2, 2]
-    assert [run["learning_rate"] for run in runs] == [3e-3, 3e-3]
+    assert [run["learning_rate"] for run in runs] == [
+        CPU_PLAN.hyperparameters[name][0] for name in ("adafisher", "adamw")
+    ]
     for run in runs:
         assert 0.0 <= run["test_accuracy"] <= 1.0 and run["train_seconds"] > 0
         assert f"{100 * run['test_accuracy']:.2f}%" in out
@@ -100,3 +105,22 @@ def test_a_dataset_that_is_not_there_fails_before_training(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="no such file or folder: 'cifar10_local'"):
         main(["--dataset", "cifar10_local", "--device", "cpu"])
+
+
+def test_the_cpu_plan_takes_the_best_of_its_grid_inside_it():
+    """Each compared optimizer's CPU learning rate is the most accurate of the committed
+    grid (benchmarks/quickstart_grid.py) at the plan's steps and weight decay, with a
+    less accurate learning rate measured on both sides."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/quickstart_cpu.jsonl"
+    runs = [json.loads(line) for line in path.read_text().splitlines()]
+    for name in quickstart.COMPARED:
+        lr, weight_decay = CPU_PLAN.hyperparameters[name]
+        grid = {
+            r["learning_rate"]: r["test_accuracy"]
+            for r in runs
+            if (r["optimizer"], r["steps"], r["weight_decay"])
+            == (name, CPU_PLAN.max_steps, weight_decay)
+        }
+        lrs = sorted(grid)
+        assert max(grid, key=grid.get) == lr
+        assert 0 < lrs.index(lr) < len(lrs) - 1
