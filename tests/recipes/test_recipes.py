@@ -223,8 +223,8 @@ def test_baseline_trains_adamw_and_is_compared(run_with_baseline_and_failed_push
     baseline = json.loads((out / "baseline" / "results.json").read_text())
     assert (out / "baseline" / "model.safetensors").is_file()
     assert baseline["settings"]["optim"] == "adamw_torch_fused"
-    assert baseline["settings"]["learning_rate"] == 3e-3
-    assert baseline["settings"]["weight_decay"] == 0.05
+    assert baseline["settings"]["learning_rate"] == 2.4e-2
+    assert baseline["settings"]["weight_decay"] == 0.1
 
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["optim"] == "adafisher"
@@ -378,12 +378,12 @@ def test_each_recipe_script_helps_with_its_own_defaults(recipe):
     help_text = " ".join(done.stdout.split())
     assert (
         f"Train {config.model} on {config.title} with hf_triaccel. The defaults below are this "
-        "recipe's: batch 512, 30 epochs, adafisher at learning rate 0.003, weight decay 0.0005."
+        "recipe's: batch 512, 30 epochs, adafisher at learning rate 0.012, weight decay 0.0005."
     ) in help_text
     for flag, default in [
         ("--per_device_train_batch_size", "512"),
         ("--num_train_epochs", "30.0"),
-        ("--learning_rate", "0.003"),
+        ("--learning_rate", "0.012"),
         ("--weight_decay", "0.0005"),
         ("--optim", "adafisher"),
         ("--model", config.model),
@@ -422,7 +422,7 @@ def test_defaults_are_the_efficiency_settings():
     config, recipe_args, args = recipe_config.parse_args(["--recipe", "cifar10_resnet18"])
     assert config.num_classes == 10 and config.eval_split == "test"
     assert (recipe_args.dataset, recipe_args.model) == ("uoft-cs/cifar10", "resnet18_cifar")
-    assert (args.optim, args.learning_rate, args.weight_decay) == ("adafisher", 3e-3, 5e-4)
+    assert (args.optim, args.learning_rate, args.weight_decay) == ("adafisher", 1.2e-2, 5e-4)
     assert args.per_device_train_batch_size == 512 and args.num_train_epochs == 30
     assert args.bf16 == torch.cuda.is_available()
     assert args.label_smoothing_factor == 0.1 and args.warmup_steps == 0.3
