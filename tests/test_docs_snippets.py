@@ -156,5 +156,5 @@ def test_readme_says_what_the_main_job_does_and_costs():
     assert "python3 -m hf_triaccel.quickstart" in setup
     cpu = "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu"
     assert cpu in setup
-    for text in ("AdaFisherW", "AdamW", "CPU (2 cores)", "GPU (one NVIDIA H200)", "test accuracy"):
+    for text in ("AdaFisher", "AdamW", "CPU (2 cores)", "GPU", "test accuracy", "tuned"):
         assert text in setup, text
