@@ -21,6 +21,7 @@ from tests.curvature.rounding import FactorBound, Recorder
 BATCH = 16
 STEPS = 12
 UPDATE_EVERY = 5
+LR = 1e-3  # the step size the tolerances below were derived at: they scale with it
 
 
 class Net(nn.Module):
@@ -73,7 +74,7 @@ def batches():
 def train(model: nn.Module, pieces: tuple[int, ...], ema: str, record: bool = False):
     """Trains ``model`` and returns its factors after each refresh, with (``record``) the
     factors' rounding bounds, as the list ``[(factors, bounds)]`` per refresh."""
-    opt = AdaFisherW.from_model(model, update_every=UPDATE_EVERY, ema=ema, impl="reference")
+    opt = AdaFisherW.from_model(model, lr=LR, update_every=UPDATE_EVERY, ema=ema, impl="reference")
     collector = opt.collector
     recorder = Recorder(collector) if record else None
     tracked = {(name, i): FactorBound(ema) for name in collector.layers for i in range(2)}

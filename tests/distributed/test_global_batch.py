@@ -22,6 +22,7 @@ from tests.distributed.test_fsdp2 import GLOBAL_BATCH, factors, full
 
 STEPS = 12
 UPDATE_EVERY = 5
+LR = 1e-3  # the step size the tolerances below were derived at: they scale with it
 EMAS = ("reference", "paper")
 CLASSES = 4
 
@@ -84,14 +85,14 @@ def _worker(rank: int, world: int) -> dict:
     out = {}
     for ema in EMAS:
         model = Net()
-        opt = AdaFisherW.from_model(model, update_every=UPDATE_EVERY, ema=ema)
+        opt = AdaFisherW.from_model(model, lr=LR, update_every=UPDATE_EVERY, ema=ema)
         train(nn.parallel.DistributedDataParallel(model), opt, split_share)
         out["ddp", ema] = (full(model), factors(opt))
 
         model = Net()
         fully_shard(model.fc)
         fully_shard(model)
-        opt = AdaFisherW.from_model(model, update_every=UPDATE_EVERY, ema=ema)
+        opt = AdaFisherW.from_model(model, lr=LR, update_every=UPDATE_EVERY, ema=ema)
         train(model, opt, share)
         out["fsdp2", ema] = (full(model), factors(opt))
     return {f"{mode}/{ema}": run for (mode, ema), run in out.items()}
@@ -109,7 +110,7 @@ def whole():
     out = {}
     for ema in EMAS:
         model = Net()
-        opt = AdaFisherW.from_model(model, update_every=UPDATE_EVERY, ema=ema)
+        opt = AdaFisherW.from_model(model, lr=LR, update_every=UPDATE_EVERY, ema=ema)
         train(model, opt, lambda step: [batch(step)])
         out[ema] = (list(model.parameters()), factors(opt))
     return out
@@ -131,7 +132,7 @@ def _lengths_worker(rank: int, world: int) -> list[torch.Tensor]:
     """Each rank's tokens padded to its own length (as dynamic padding does)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
-    opt = AdaFisherW.from_model(model, update_every=1)
+    opt = AdaFisherW.from_model(model, lr=LR, update_every=1)
     model(_tokens(rank)).square().mean().backward()
     opt.step()
     return factors(opt)
@@ -150,7 +151,7 @@ def test_processes_with_different_sequence_lengths(tmp_path):
     ranks = run_distributed(_lengths_worker, 2, tmp_path)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
-    opt = AdaFisherW.from_model(model, update_every=1)
+    opt = AdaFisherW.from_model(model, lr=LR, update_every=1)
     for rank in range(2):  # each loss a mean over its rank's share, halved: DDP's average
         (model(_tokens(rank)).square().mean() / 2).backward()
     opt.step()

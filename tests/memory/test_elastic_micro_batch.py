@@ -25,6 +25,7 @@ E = 24
 STEPS = 20
 SHRINK_AT = 10  # a refresh step (update_every=5): its statistics are rolled back and retaken
 UPDATE_EVERY = 5
+LR = 1e-3  # the step size the tolerances below were derived at: they scale with it
 RTOL = 1e-5
 
 
@@ -56,7 +57,7 @@ def run(micro_batch: int | None, shrink: bool = False):
     """Parameters after the run, with the controller's events; ``micro_batch=None``: the
     whole batch in one backward, no controller."""
     model = Net()
-    opt = AdaFisherW.from_model(model, update_every=UPDATE_EVERY, ema="reference")
+    opt = AdaFisherW.from_model(model, lr=LR, update_every=UPDATE_EVERY, ema="reference")
     controller = None
     if micro_batch is not None:
         controller = ElasticBatchController(E, max_micro_batch=micro_batch, probe=CountingProbe())

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from hf_triaccel import AdaFisherW  # noqa: E402
+from hf_triaccel.optim.config import DEFAULT_LR  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)] + ["the", "game", "began", ",", ".", "<unk>"]
 SPLIT_LINES = {"train": 240, "validation": 60, "test": 60}
@@ -171,7 +172,7 @@ def test_a_recorded_run_is_skipped(run):
     lines = [json.loads(line) for line in runs_file.read_text().splitlines()]
     assert [line["key"]["optim"] for line in lines] == ["adamw_torch_fused", "adafisherw"]
     assert lines[1]["key"]["adafisher"]["ema"] == "reference"
-    assert lines[1]["key"]["learning_rate"] == 1e-3  # resolved: AdaFisher's default
+    assert lines[1]["key"]["learning_rate"] == DEFAULT_LR  # resolved: AdaFisher's default
     assert recipe.run_recipe(run["argv"]) is None  # both already there: nothing trains
     assert len(runs_file.read_text().splitlines()) == 2
 
