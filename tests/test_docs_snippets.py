@@ -6,8 +6,7 @@ in an empty working folder: a block must hold its imports and its small model an
 A block whose first line is :data:`GPU_MARK` needs CUDA and is skipped without it. Shell
 blocks (indented, or fenced as anything but python) are not run. The READMEs' blocks run
 with warnings turned into errors and fail on a warning logged by transformers or
-hf_triaccel: a reader could not act on one; :data:`UNAVOIDABLE_WARNINGS` names, with its
-reason, any that a block cannot avoid.
+hf_triaccel: a reader could not act on one.
 
 The card's block loads the model from the run's folder (``local-dir:``) and, once the run
 is published, from the Hub (``hf-hub:``); here the Hub is offline and its cache holds the
@@ -33,12 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "recipes/README.md")
 GPU_MARK = "# Needs a CUDA GPU"
 _FENCE = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
-# warning message (a regular expression) -> why a documentation block cannot avoid it
-UNAVOIDABLE_WARNINGS: dict[str, str] = {
-    r"Optimizer adafisherw? already registered, overwriting": "timm's registry, when "
-    "register_timm_optimizers() runs a second time in one process: here earlier tests "
-    "registered them; a reader who runs the block once sees none",
-}
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -67,7 +60,7 @@ class _Logged(logging.Handler):
 @contextlib.contextmanager
 def no_warnings() -> Iterator[None]:
     """Turns warnings into errors and fails on a warning logged meanwhile (transformers'
-    loggers do not propagate to the root), but those of :data:`UNAVOIDABLE_WARNINGS`."""
+    loggers do not propagate to the root)."""
     logged = _Logged()
     loggers = [logging.getLogger(), logging.getLogger("transformers")]
     for logger in loggers:
@@ -75,16 +68,11 @@ def no_warnings() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            for message in UNAVOIDABLE_WARNINGS:
-                warnings.filterwarnings("default", message=message)
             yield
     finally:
         for logger in loggers:
             logger.removeHandler(logged)
-    unexpected = [
-        m for m in logged.messages if not any(re.search(a, m) for a in UNAVOIDABLE_WARNINGS)
-    ]
-    assert not unexpected, unexpected
+    assert not logged.messages, logged.messages
 
 
 def doc_blocks() -> list:

@@ -87,7 +87,8 @@ def register_timm_optimizers() -> list[str]:
     """Registers ``"adafisher"`` and ``"adafisherw"`` in timm's optimizer registry, so that
     ``timm.optim.create_optimizer_v2(model, "adafisherw", lr=..., weight_decay=...)`` builds
     them (AdaFisher's other hyperparameters pass as keyword arguments: ``update_every=50``).
-    Calling it again re-registers the same entries.
+    Calling it again leaves the registry as it is (timm warns when a name is registered
+    twice).
 
     Returns:
         The registered names.
@@ -107,7 +108,13 @@ def register_timm_optimizers() -> list[str]:
     from timm.optim import OptimInfo
     from timm.optim._optim_factory import default_registry
 
+    registered = set(default_registry.list_optimizers())
     for name in OPTIMIZERS:
+        if (
+            name in registered
+            and default_registry.get_optimizer_info(name).description == (_DESCRIPTIONS[name])
+        ):
+            continue  # ours already
         default_registry.register(
             OptimInfo(
                 name=name,
