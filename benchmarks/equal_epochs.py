@@ -1,9 +1,9 @@
 """Accuracy at equal epochs: AdaFisher's fold rules against tuned AdamW and SGD and a
 curvature-off control, each run a ``train_cifar.py`` training.
 
-Every arm trains the same model (timm ``resnet18_cifar``) on the same data path (decoded
-once, augmented on the GPU), batch, epochs, one-cycle schedule and label smoothing; only
-the optimizer differs. The arms (:data:`ARMS`):
+Every arm trains the same model (``--model``, default timm ``resnet18_cifar``) on the
+same data path (decoded once, augmented on the GPU), batch, epochs, one-cycle schedule and
+label smoothing; only the optimizer differs. The arms (:data:`ARMS`):
 
 - ``adamw``: AdamW(fused); ``sgd``: SGD with Nesterov momentum 0.9 (fused);
 - ``adafisher``: AdaFisher (L2 decay), the published fold rule (``ema="reference"``),
@@ -76,6 +76,7 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
 RESULTS = harness.REPO_ROOT / "benchmarks" / "results" / "equal_epochs.jsonl"
 SMOKE_GRID = ("adamw:lr=3e-3:wd=0.05", "curvature_off:lr=3:wd=5e-4", "adafisher_paper:lr=1e-2")
 SMOKE_STEPS = 2
+MODEL = "resnet18_cifar"
 SWEEP_SEED = 0  # the seed of every learning-rate sweep; the chosen ones run more seeds
 
 
@@ -107,6 +108,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--grid", nargs="+", type=parse_spec, help="ARM:lr=A,B[:wd=C,D] specs")
     parser.add_argument("--epochs", default="15", help="budgets, comma-separated")
     parser.add_argument("--batch_size", type=int, default=512)
+    parser.add_argument("--model", default=MODEL, help="timm model (train_cifar.py's)")
     parser.add_argument("--seeds", default="0", help="comma-separated")
     parser.add_argument("--workers", type=int, default=1, help="training processes at once")
     parser.add_argument("--stop_after", type=float, help="seconds: start no run after them")
@@ -136,7 +138,8 @@ def jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
         for lr, wd in itertools.product(lrs, wds):
             wd = harness.HYPERPARAMETERS[optimizer][1] if wd is None else wd
             job = {"data": data, "arm": arm, "lr": lr, "weight_decay": wd, "seed": seed}
-            out.append({**job, "budget_epochs": epochs, "batch_size": args.batch_size})
+            job.update(budget_epochs=epochs, batch_size=args.batch_size, model=args.model)
+            out.append(job)
     return out
 
 
@@ -144,7 +147,7 @@ def key(record: dict[str, Any]) -> tuple:
     """What identifies a run (a record or a job)."""
     dataset = Path(record["data"]).name
     config = record["arm"], record["lr"], record["weight_decay"], record["seed"]
-    return dataset, *config, record["budget_epochs"], record["batch_size"]
+    return dataset, record["model"], *config, record["budget_epochs"], record["batch_size"]
 
 
 def read_records(paths: Sequence[Path]) -> list[dict[str, Any]]:
@@ -157,6 +160,7 @@ def train_args(job: dict[str, Any], args: argparse.Namespace) -> argparse.Namesp
     flags = ["--optimizer", optimizer, "--lr", str(job["lr"]), "--seed", str(job["seed"])]
     flags += ["--weight_decay", str(job["weight_decay"]), "--epochs", str(job["budget_epochs"])]
     flags += ["--data", job["data"], "--batch_size", str(job["batch_size"])]
+    flags += ["--model", job["model"]]
     flags += [f for name, value in fisher.items() for f in (f"--{name}", str(value))]
     if args.smoke:
         flags += ["--smoke", "--max_steps", str(SMOKE_STEPS)]
@@ -241,9 +245,9 @@ def run_workers(args: argparse.Namespace, argv: list[str]) -> int:
         return sum(p.wait() != 0 for p in procs)
 
 
-def group(record: dict[str, Any]) -> tuple[str, int, int]:
-    """The comparison a run belongs to: (data set, epoch budget, batch size)."""
-    return record["dataset"], record["budget_epochs"], record["batch_size"]
+def group(record: dict[str, Any]) -> tuple[str, str, int, int]:
+    """The comparison a run belongs to: (data set, model, epoch budget, batch size)."""
+    return record["dataset"], record["model"], record["budget_epochs"], record["batch_size"]
 
 
 def summarise(records: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
@@ -279,10 +283,10 @@ def report(summary: dict[tuple, dict[str, Any]]) -> str:
     """The summary as markdown, per comparison: the chosen configuration of each arm, then
     every run configuration (the chosen one in bold)."""
     parts = []
-    for (dataset, epochs, batch), arms in sorted(summary.items()):
+    for (dataset, model, epochs, batch), arms in sorted(summary.items()):
         names = [a for a in ARMS if a in arms and arms[a]["best"] is not None]
         lines = [
-            f"### {dataset}, {epochs} epochs, batch {batch}",
+            f"### {dataset}, {model}, {epochs} epochs, batch {batch}",
             "",
             "Chosen: the best at seed 0, its mean over seeds; its neighbours at seed 0:",
             "",

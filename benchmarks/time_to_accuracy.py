@@ -55,7 +55,7 @@ BASELINES = ("adamw", "sgd")
 TIMES = harness.REPO_ROOT / "benchmarks" / "results" / "epoch_seconds.jsonl"
 SMOKE_GRID = ("adamw:lr=3e-3:wd=0.05", "adafisher:lr=3e-3")
 # the comparison the shipped values are chosen from: equal_epochs.py's
-CHOICE_EPOCHS, CHOICE_BATCH = 15, 512
+CHOICE_MODEL, CHOICE_EPOCHS, CHOICE_BATCH = equal_epochs.MODEL, 15, 512
 # data set -> the recipe trained on it, whose optimizer settings the choice sets
 RECIPES = {"cifar10": "cifar10_resnet18", "cifar100": "cifar100_resnet18"}
 DEFAULT_FROM = "cifar10"  # the optimizer's default lr: the choice on this data set
@@ -68,6 +68,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--grid", nargs="+", help="equal_epochs.py's ARM:lr=A[:wd=C] specs")
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="epochs")
     parser.add_argument("--batch_size", type=int, default=512)
+    parser.add_argument("--model", default=equal_epochs.MODEL, help="timm model")
     parser.add_argument("--seeds", default="0", help="comma-separated")
     parser.add_argument("--workers", type=int, default=1, help="training processes at once")
     parser.add_argument("--stop_after", type=float, help="seconds: start no run after them")
@@ -93,14 +94,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def run_grid(args: argparse.Namespace) -> int:
     """The budgets' runs, through ``equal_epochs.py``; returns the failures."""
     argv = ["--data", *args.data, "--epochs", args.budgets, "--grid", *args.grid]
-    argv += ["--batch_size", str(args.batch_size), "--seeds", args.seeds]
+    argv += ["--batch_size", str(args.batch_size), "--seeds", args.seeds, "--model", args.model]
     argv += ["--workers", str(args.workers), "--results", str(args.results)]
     argv += ["--stop_after", str(args.stop_after)] if args.stop_after is not None else []
     return equal_epochs.main(argv + ["--smoke"] * args.smoke)
 
 
-def time_key(record: dict[str, Any]) -> tuple[str, int]:
-    return record["arm"], record["batch_size"]
+def time_key(record: dict[str, Any]) -> tuple[str, str, int]:
+    return record["arm"], record["model"], record["batch_size"]
 
 
 def run_timing(args: argparse.Namespace) -> int:
@@ -111,7 +112,7 @@ def run_timing(args: argparse.Namespace) -> int:
     args.times.parent.mkdir(parents=True, exist_ok=True)
     batch_size = 8 if args.smoke else args.batch_size
     grid = argparse.Namespace(data=args.data, epochs=[args.timing_epochs], seeds=[0])
-    grid.batch_size, grid.smoke = batch_size, args.smoke
+    grid.batch_size, grid.smoke, grid.model = batch_size, args.smoke, args.model
     grid.grid = [
         (arm, lrs[:1], wds[:1]) for arm, lrs, wds in map(equal_epochs.parse_spec, args.grid)
     ]
@@ -119,9 +120,9 @@ def run_timing(args: argparse.Namespace) -> int:
     rounds = itertools.product(range(args.timing_rounds), equal_epochs.jobs(grid))
     for i, job in rounds:
         dataset = Path(job["data"]).name
-        if done[(job["arm"], batch_size)] > i:
+        if done[time_key(job)] > i:
             continue
-        done[(job["arm"], batch_size)] += 1
+        done[time_key(job)] += 1
         run_args = equal_epochs.train_args(job, grid)
         if job["data"] not in data:
             data[job["data"]] = train_cifar.load_data(run_args)
@@ -134,7 +135,8 @@ def run_timing(args: argparse.Namespace) -> int:
         finally:
             harness.free_memory(run_args.device)
         seconds = record["epoch_seconds"]
-        timing = {"dataset": dataset, "arm": job["arm"], "batch_size": batch_size}
+        timing = {"dataset": dataset, "arm": job["arm"], "model": args.model}
+        timing["batch_size"] = batch_size
         timing.update(epoch_seconds=statistics.median(seconds[1:] or seconds))
         timing.update(steps=record["steps"], epochs=len(seconds), env=record["env"])
         equal_epochs.append(args.times, timing)
@@ -143,7 +145,7 @@ def run_timing(args: argparse.Namespace) -> int:
 
 
 def epoch_times(times: list[dict[str, Any]]) -> dict[tuple, float]:
-    """(arm, batch) -> steady epoch seconds, the median over the records."""
+    """(arm, model, batch) -> steady epoch seconds, the median over the records."""
     rounds: dict[tuple, list[float]] = {}
     for t in times:
         rounds.setdefault(time_key(t), []).append(t["epoch_seconds"])
@@ -160,14 +162,16 @@ def summarise(records: list[dict[str, Any]], times: list[dict[str, Any]]) -> dic
         if r.get("workers", 1) == 1:
             solo[(r["dataset"], *time_key(r), r["budget_epochs"])] = r["train_seconds"]
     out: dict[tuple, dict] = {}
-    for (dataset, epochs, batch), arms in equal_epochs.summarise(records).items():
-        entry = out.setdefault((dataset, batch), {"arms": {}})
+    for (dataset, model, epochs, batch), arms in equal_epochs.summarise(records).items():
+        entry = out.setdefault((dataset, model, batch), {"arms": {}})
         for arm, found in arms.items():
             if found["best"] is None:
                 continue
             config = found["configs"][found["best"]]
-            seconds = per_epoch.get((arm, batch))
-            seconds = epochs * seconds if seconds else solo.get((dataset, arm, batch, epochs))
+            seconds = per_epoch.get((arm, model, batch))
+            seconds = (
+                epochs * seconds if seconds else solo.get((dataset, arm, model, batch, epochs))
+            )
             runs = entry["arms"].setdefault(arm, {})
             runs[epochs] = {"accuracy": config["mean"], "seeds": config["n"], "seconds": seconds}
             runs[epochs]["lr"], runs[epochs]["weight_decay"] = found["best"]
@@ -197,11 +201,11 @@ def report(summary: dict[tuple, dict]) -> str:
     """The summary as markdown: per data set and batch size, each arm's accuracy and
     training time per budget (``*`` at or above the target), then its time to target."""
     parts = []
-    for (dataset, batch), entry in sorted(summary.items()):
+    for (dataset, model, batch), entry in sorted(summary.items()):
         budgets = sorted({b for runs in entry["arms"].values() for b in runs})
         arms = [a for a in equal_epochs.ARMS if a in entry["arms"]]
         target = entry["target"]
-        lines = [f"### {dataset}, batch {batch}", ""]
+        lines = [f"### {dataset}, {model}, batch {batch}", ""]
         lines.append(
             "target: "
             + ("none (no AdamW run)" if target is None else f"{target:.2f}%")
@@ -251,7 +255,7 @@ def chosen_values(records: list[dict[str, Any]]) -> dict[str, Any]:
     stage = {
         key[0]: arms
         for key, arms in equal_epochs.summarise(records).items()
-        if key[1:] == (CHOICE_EPOCHS, CHOICE_BATCH)
+        if key[1:] == (CHOICE_MODEL, CHOICE_EPOCHS, CHOICE_BATCH)
     }
 
     def best(dataset: str, arm: str) -> dict[str, Any] | None:
@@ -296,7 +300,7 @@ def chosen_values(records: list[dict[str, Any]]) -> dict[str, Any]:
                 "baseline_weight_decay": adamw["weight_decay"],
             }
     return {
-        "comparison": {"epochs": CHOICE_EPOCHS, "batch_size": CHOICE_BATCH},
+        "comparison": {"model": CHOICE_MODEL, "epochs": CHOICE_EPOCHS, "batch_size": CHOICE_BATCH},
         "rule": rule,
         "adafisher": {
             "ema": config.ema,
@@ -338,7 +342,7 @@ def plot(summary: dict[tuple, dict], records: list[dict[str, Any]], path: Path) 
             ax.errorbar(x, mean, yerr=[low, high], marker="o", capsize=3, label=arm)
         if entry["target"] is not None:
             ax.axhline(entry["target"], color="grey", linestyle="--", linewidth=1)
-        ax.set(title=f"{key[0]}, batch {key[1]}", xlabel="training time (s)")
+        ax.set(title=f"{key[0]}, {key[1]}, batch {key[2]}", xlabel="training time (s)")
         ax.set(ylabel="test accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -351,7 +355,7 @@ def run_of(record: dict[str, Any], key: tuple, arm: str, budget: int, run: dict)
     """Whether ``record`` is one of the seeds behind ``run`` (an arm's chosen configuration
     at a budget of the comparison ``key``)."""
     return (
-        (record["dataset"], record["batch_size"]) == key
+        (record["dataset"], record["model"], record["batch_size"]) == key
         and (record["arm"], record["budget_epochs"]) == (arm, budget)
         and (record["lr"], record["weight_decay"]) == (run["lr"], run["weight_decay"])
     )

@@ -298,11 +298,13 @@ def test_time_to_accuracy_smoke_appends_resumes_and_times(bench, tmp_path, capsy
 
 def _budget_run(arm: str, epochs: int, accuracy: float, seed: int = 0, lr: float = 1e-2) -> dict:
     run = dict(dataset="c", arm=arm, lr=lr, weight_decay=0.0, seed=seed, test_accuracy=accuracy)
-    return {**run, "budget_epochs": epochs, "batch_size": 512, "workers": 4, "train_seconds": 1.0}
+    run.update(model="resnet18_cifar", budget_epochs=epochs, batch_size=512, workers=4)
+    return {**run, "train_seconds": 1.0}
 
 
 def _timing(arm: str, seconds: float) -> dict:
-    return {"dataset": "c", "arm": arm, "batch_size": 512, "epoch_seconds": seconds}
+    timing = {"dataset": "c", "arm": arm, "model": "resnet18_cifar", "batch_size": 512}
+    return {**timing, "epoch_seconds": seconds}
 
 
 def test_time_to_accuracy_summary(bench, tmp_path):
@@ -322,7 +324,7 @@ def test_time_to_accuracy_summary(bench, tmp_path):
     ]
     times = [_timing("adamw", 1.0), _timing("sgd", 0.9), _timing("sgd", 1.1), _timing("sgd", 2.0)]
     times += [_timing("adafisher", 1.2)]
-    entry = tta.summarise(records, times)[("c", 512)]
+    entry = tta.summarise(records, times)[("c", "resnet18_cifar", 512)]
     assert entry["target"] == pytest.approx(88.0)
     assert entry["arms"]["adafisher"][20]["accuracy"] == pytest.approx(87.0)
     assert entry["arms"]["adafisher"][40]["lr"] == 1e-2
@@ -331,14 +333,14 @@ def test_time_to_accuracy_summary(bench, tmp_path):
     assert entry["arms"]["sgd"][40]["seconds"] == pytest.approx(44.0)
     assert entry["ratio"]["adafisher"] == pytest.approx(48.0 / 40.0)
     assert entry["ratio"]["sgd"] == pytest.approx(44.0 / 40.0)
-    text = tta.report({("c", 512): entry})
+    text = tta.report({("c", "resnet18_cifar", 512): entry})
     assert "| adafisher | 48.0 s | 40 epochs | 1.20x |" in text
     assert "| curvature_off | not reached | | |" in text
-    tta.plot({("c", 512): entry}, records, tmp_path / "curves.png")
+    tta.plot({("c", "resnet18_cifar", 512): entry}, records, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
     # without timing records, a run made alone times itself and a shared one is n/a
     alone = [{**r, "workers": 1, "train_seconds": 30.0} for r in records if r["arm"] == "sgd"]
-    entry = tta.summarise([*records[:4], *alone], [])[("c", 512)]
+    entry = tta.summarise([*records[:4], *alone], [])[("c", "resnet18_cifar", 512)]
     assert entry["arms"]["sgd"][40]["seconds"] == 30.0
     assert entry["arms"]["adamw"][40]["seconds"] is None and entry["ratio"]["sgd"] == 1.0
 
@@ -484,7 +486,7 @@ def test_equal_epochs_smoke_appends_resumes_and_summarises(bench, tmp_path, caps
 
 def _grid_run(arm: str, lr: float, seed: int, accuracy: float, wd: float = 0.05) -> dict:
     run = dict(dataset="c", arm=arm, lr=lr, weight_decay=wd, seed=seed, test_accuracy=accuracy)
-    return {**run, "budget_epochs": 15, "batch_size": 512}
+    return {**run, "model": "m", "budget_epochs": 15, "batch_size": 512}
 
 
 def test_equal_epochs_summary_chooses_at_the_sweep_seed(bench):
@@ -497,10 +499,10 @@ def test_equal_epochs_summary_chooses_at_the_sweep_seed(bench):
         _grid_run("adamw", 4e-3, 1, 0.70),  # a better second seed does not choose it
         _grid_run("adamw", 2e-3, 0, 0.66, wd=0.1),  # another weight decay: its own neighbours
     ]
-    arm = ee.summarise(records)[("c", 15, 512)]["adamw"]
+    arm = ee.summarise(records)[("c", "m", 15, 512)]["adamw"]
     assert arm["best"] == (2e-3, 0.1)
     assert arm["neighbours"] == [None, None]
-    arm = ee.summarise(records[:5])[("c", 15, 512)]["adamw"]
+    arm = ee.summarise(records[:5])[("c", "m", 15, 512)]["adamw"]
     assert arm["best"] == (2e-3, 0.05)
     assert arm["configs"][arm["best"]]["mean"] == pytest.approx(63.0)
     assert arm["configs"][arm["best"]]["spread"] == pytest.approx(2.0)
