@@ -35,6 +35,7 @@ else:
 _LAZY = {
     "AdaFisherFactory": "hf_triaccel.integrations.optimizers",
     "AdaFisherWFactory": "hf_triaccel.integrations.optimizers",
+    "TriAccelArgumentParser": "hf_triaccel.integrations.trainer_args",
     "TriAccelArguments": "hf_triaccel.integrations.trainer_args",
     "TriAccelMixin": "hf_triaccel.integrations.trainer",
     "TriAccelPlugin": "hf_triaccel.integrations.plugin",
@@ -65,6 +66,7 @@ __all__ = [
     "PrecisionRule",
     "SignalTracker",
     "StepSizeSteering",
+    "TriAccelArgumentParser",
     "TriAccelArguments",
     "TriAccelMixin",
     "TriAccelPlugin",
