@@ -67,7 +67,15 @@ def figures(markdown: str) -> list[tuple[str, int, str]]:
 
 
 def sections(markdown: str) -> dict[str, str]:
-    """Each ``##`` section's text by its heading (the text before the first: ``""``)."""
+    """Each section's text by its heading (the text before the first: ``""``); a ``#``
+    line inside a fenced code block is a comment, not a heading.
+
+    Example:
+        >>> sorted(sections("# A\nx\n```python\n# not a heading\n```\n## B\ny\n"))
+        ['', '# A', '## B']
+    """
+    fences = re.compile(r"^```.*?^```", flags=re.MULTILINE | re.DOTALL)
+    markdown = fences.sub(lambda m: re.sub(r"^#", " #", m.group(0), flags=re.M), markdown)
     parts = re.split(r"^(#+ .*)$", markdown, flags=re.MULTILINE)
     out, heading = {"": parts[0]}, ""
     for part in parts[1:]:

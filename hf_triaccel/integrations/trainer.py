@@ -386,7 +386,7 @@ class TriAccelTrainer(TriAccelMixin, Trainer):
         >>> output.global_step
         2
         >>> trainer.triaccel_settings["learning_rate"], trainer.collector.attached
-        (0.001, False)
+        (0.012, False)
     """
 
     def __init__(self, model=None, args: TriAccelArguments | None = None, *a, **kw) -> None:

@@ -102,7 +102,7 @@ def resolve_learning_rate(args: TrainingArguments) -> float:
 
     Example:
         >>> resolve_learning_rate(TriAccelArguments(output_dir="out"))
-        0.001
+        0.012
         >>> resolve_learning_rate(TriAccelArguments(output_dir="out", optim="adamw_torch"))
         5e-05
     """
@@ -139,7 +139,7 @@ class TriAccelArguments(TrainingArguments):
     Example:
         >>> args = TriAccelArguments(output_dir="out")
         >>> args.optim, args.learning_rate, resolve_learning_rate(args)
-        ('adafisherw', None, 0.001)
+        ('adafisherw', None, 0.012)
         >>> TriAccelArguments(output_dir="out", optim="adamw_torch_fuse")
         Traceback (most recent call last):
         ...
@@ -316,7 +316,7 @@ you mean 'adamw_torch_fused'? ...
         Example:
             >>> TriAccelArguments(output_dir="out", adafisher_update_every=50).to_plugin()
             ... # doctest: +ELLIPSIS
-            TriAccelPlugin(lr=0.001, beta=0.9, damping=0.001, gamma=0.8, update_every=50, ...)
+            TriAccelPlugin(lr=0.012, beta=0.9, damping=0.001, gamma=0.8, update_every=50, ...)
         """
         if not self.uses_adafisher:
             raise ValueError(f"optim={self.optim!r} is not an hf_triaccel optimizer")
