@@ -110,10 +110,8 @@ def register_timm_optimizers() -> list[str]:
 
     registered = set(default_registry.list_optimizers())
     for name in OPTIMIZERS:
-        if (
-            name in registered
-            and default_registry.get_optimizer_info(name).description == (_DESCRIPTIONS[name])
-        ):
+        info = default_registry.get_optimizer_info(name) if name in registered else None
+        if info is not None and info.description == _DESCRIPTIONS[name]:
             continue  # ours already
         default_registry.register(
             OptimInfo(
