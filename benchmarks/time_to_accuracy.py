@@ -152,14 +152,21 @@ def epoch_times(times: list[dict[str, Any]]) -> dict[tuple, float]:
     return {key: statistics.median(seconds) for key, seconds in rounds.items()}
 
 
+def shortest(runs: dict[int, dict], target: float | None) -> int | None:
+    """The shortest budget of ``runs`` whose accuracy reaches ``target`` (none without a
+    target)."""
+    passing = [b for b, run in runs.items() if target is not None and run["accuracy"] >= target]
+    return min(passing, default=None)
+
+
 def summarise(records: list[dict[str, Any]], times: list[dict[str, Any]]) -> dict[tuple, dict]:
-    """Per (data set, batch size): each arm's accuracy (percent) and training seconds per
-    budget, the target, each arm's time to target (the shortest budget reaching it) and
-    its ratio to the better baseline's."""
+    """Per (data set, model, batch size): each arm's accuracy (percent) and training
+    seconds per budget, the target, each arm's time to target (the shortest budget
+    reaching it) and its ratio to the better baseline's."""
     per_epoch = epoch_times(times)
     solo = {}  # a run made alone times itself
     for r in records:
-        if r.get("workers", 1) == 1:
+        if r["workers"] == 1:
             solo[(r["dataset"], *time_key(r), r["budget_epochs"])] = r["train_seconds"]
     out: dict[tuple, dict] = {}
     for (dataset, model, epochs, batch), arms in equal_epochs.summarise(records).items():
@@ -179,14 +186,9 @@ def summarise(records: list[dict[str, Any]], times: list[dict[str, Any]]) -> dic
         adamw = entry["arms"].get("adamw", {})
         within = [run["accuracy"] for b, run in adamw.items() if b <= TARGET_EPOCHS]
         entry["target"] = max(within, default=None)
-        entry["reached"] = (
-            {
-                arm: next((b for b in sorted(runs) if runs[b]["accuracy"] >= entry["target"]), None)
-                for arm, runs in entry["arms"].items()
-            }
-            if entry["target"] is not None
-            else {}
-        )
+        entry["reached"] = {
+            arm: shortest(runs, entry["target"]) for arm, runs in entry["arms"].items()
+        }
         seconds = {
             arm: entry["arms"][arm][b]["seconds"] for arm, b in entry["reached"].items() if b
         }
