@@ -129,7 +129,7 @@ def _open_split(datasets: Any, source: str, split: str) -> Any:
         return _from_parquet(datasets, [EMBEDDED_DIR / f"cifar10_{split}.parquet"])
     local = Path(source).expanduser()
     if local.is_dir():
-        return _from_parquet(datasets, _split_files(local, split))
+        return _from_parquet(datasets, split_files(local, split))
     if local.is_file():
         return _from_parquet(datasets, [local])
     if not is_hub_dataset_id(source):
@@ -167,8 +167,29 @@ def _from_parquet(datasets: Any, files: Sequence[Path]) -> Any:
     )
 
 
-def _split_files(folder: Path, split: str) -> list[Path]:
-    """The parquet files of ``split`` in ``folder``: ``{split}.parquet`` or Hub shards."""
+def split_files(folder: str | Path, split: str) -> list[Path]:
+    """The parquet files of ``split`` in a local folder laid out like a Hub data set:
+    ``{split}.parquet``, or the Hub's ``{split}-00000-of-000NN.parquet`` shards in any
+    subfolder.
+
+    Raises:
+        FileNotFoundError: the folder does not exist, or holds no file of the split (the
+            message lists the parquet files it holds).
+
+    Example:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> (folder / "train.parquet").touch()
+        >>> [p.name for p in split_files(folder, "train")]
+        ['train.parquet']
+        >>> split_files(folder, "test")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: no test.parquet (or test-*.parquet shards) in ...: train.parquet
+    """
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no such folder: {str(folder)!r} (relative to {Path.cwd()})")
     single = folder / f"{split}.parquet"
     if single.is_file():
         return [single]
@@ -177,8 +198,8 @@ def _split_files(folder: Path, split: str) -> list[Path]:
         return shards
     present = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.parquet"))
     raise FileNotFoundError(
-        f"no {split}.parquet (or {split}-*.parquet shards) in {folder}; parquet files there: "
-        f"{present or 'none'}"
+        f"no {split}.parquet (or {split}-*.parquet shards) in {folder}; parquet files "
+        f"there: {', '.join(present) or 'none'}"
     )
 
 

@@ -30,48 +30,12 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.trainers import WordLevelTrainer
 
-from hf_triaccel.data.loading import is_hub_dataset_id
+from hf_triaccel.data.loading import is_hub_dataset_id, split_files
 
 TEXT_COLUMN = "text"
 UNK = "<unk>"
 EOS = "<eos>"
 SPECIAL_TOKENS = (UNK, EOS)
-
-
-def split_files(folder: str | Path, split: str) -> list[Path]:
-    """The parquet files of ``split`` in a local folder laid out like a Hub data set:
-    ``{split}.parquet``, or the Hub's ``{split}-00000-of-000NN.parquet`` shards in any
-    subfolder.
-
-    Raises:
-        FileNotFoundError: the folder does not exist, or holds no file of the split (the
-            message lists the parquet files it holds).
-
-    Example:
-        >>> import tempfile
-        >>> folder = Path(tempfile.mkdtemp())
-        >>> (folder / "train.parquet").touch()
-        >>> [p.name for p in split_files(folder, "train")]
-        ['train.parquet']
-        >>> split_files(folder, "test")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        FileNotFoundError: no test.parquet (or test-*.parquet shards) in ...: train.parquet
-    """
-    folder = Path(folder).expanduser()
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no such folder: {str(folder)!r} (relative to {Path.cwd()})")
-    single = folder / f"{split}.parquet"
-    if single.is_file():
-        return [single]
-    shards = sorted(folder.rglob(f"{split}-*.parquet"))
-    if shards:
-        return shards
-    present = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.parquet"))
-    raise FileNotFoundError(
-        f"no {split}.parquet (or {split}-*.parquet shards) in {folder}; parquet files "
-        f"there: {', '.join(present) or 'none'}"
-    )
 
 
 def check_text_source(source: str, splits: Sequence[str]) -> None:
