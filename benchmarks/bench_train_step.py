@@ -1,9 +1,12 @@
-"""Training step of a timm model: AdaFisherW against torch.optim.AdamW(fused=True) at its fastest.
+"""Training step of a model: AdaFisherW against torch.optim.AdamW(fused=True) at its fastest.
 
 zero_grad + forward under bf16 autocast + backward + ``opt.step()`` on one random batch,
-for the CIFAR ResNet-18 (batch 512, 32x32) or ViT-B/16 (``--model vit_base_patch16_224``:
-batch 128, 224x224), in each of ``--layouts`` (default ``channels_last,nchw``: the layout
-hf_triaccel's Trainer gives a model with 2-D convolutions, and torch's default);
+for the CIFAR ResNet-18 (batch 512, 32x32), ViT-B/16 (``--model vit_base_patch16_224``:
+batch 128, 224x224), the CIFAR EfficientNet-B0 (``efficientnet_b0_cifar``: batch 512,
+32x32) or GPT-2 small (``gpt2``, transformers' ``GPT2Config()``: batch 8 of 1024 random
+tokens, its language-model loss), in each of ``--layouts`` (default
+``channels_last,nchw``: the layout hf_triaccel's Trainer gives a model with 2-D
+convolutions, and torch's default; the text model has one layout, ``none``);
 AdaFisherW refreshing its factors on every step and on none: step time and peak memory,
 as ratios against the fastest AdamW(fused) row of the run. ``--host``: the step's host
 work (on a CPU the launches are counted, not run, and the model narrowed). README.md:
@@ -15,7 +18,7 @@ Usage:
 """
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import harness
@@ -26,12 +29,18 @@ import torch.nn.functional as F
 from hf_triaccel import AdaFisherW
 from hf_triaccel.integrations.layout import channels_last_batch, to_channels_last
 
-# model -> (batch, image side) of a full run; smoke runs take OPTIONS' smoke values
-MODELS = {"resnet18_cifar": (512, 32), "vit_base_patch16_224": (128, 224)}
+# model -> (batch, image side or tokens a sample) of a full run; smoke runs take OPTIONS'
+# smoke values
+MODELS = {
+    "resnet18_cifar": (512, 32),
+    "vit_base_patch16_224": (128, 224),
+    "efficientnet_b0_cifar": (512, 32),
+    "gpt2": (8, 1024),
+}
 LAYOUTS = ("channels_last", "nchw")
 OPTIONS = {
     "batch_size": (int, 8, None, "batch (default by --model; --host on a CPU: 4)"),
-    "image_size": (int, None, None, "image side (default by --model)"),
+    "image_size": (int, None, None, "image side, or tokens a sample (default by --model)"),
     "warmup": (int, 2, 20, "untimed steps (--host: 3)"),
     "steps": (int, 4, 100, "timed steps (--host: 40, smoke 3)"),
 }
@@ -59,20 +68,32 @@ def build(row: dict, args: Any) -> torch.nn.Module:
     return model
 
 
+def random_batch_loss(
+    model: torch.nn.Module, args: Any, channels_last: bool
+) -> Callable[[], torch.Tensor]:
+    """The loss of ``model`` on one random batch: random tokens as their own labels for a
+    text model, random images of 10 classes otherwise."""
+    if args.model in harness.TEXT_MODELS:
+        shape = (args.batch_size, args.image_size)
+        ids = torch.randint(0, model.config.vocab_size, shape, device=args.device)
+        return lambda: model(input_ids=ids, labels=ids).loss
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=args.device)
+    x = channels_last_batch(x) if channels_last else x
+    y = torch.randint(0, 10, (args.batch_size,), device=args.device)
+    return lambda: F.cross_entropy(model(x), y)
+
+
 def prepare(row: dict, model: torch.nn.Module, args: Any) -> tuple[Any, Any]:
     """The optimizer of ``row`` and its training step, after the warm-up steps (cuDNN
     autotuning, Triton compilation, lazily created state, the first Fisher fold)."""
     every = 1 if row["refresh"] else harness.NEVER
     opt = harness.make_optimizer(row["optimizer"], model, impl=row["impl"], update_every=every)
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=args.device)
-    if row["layout"] == "channels_last":
-        x = channels_last_batch(x)
-    y = torch.randint(0, 10, (args.batch_size,), device=args.device)
+    loss_of = random_batch_loss(model, args, channels_last=row["layout"] == "channels_last")
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(x.device.type, dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
+        with torch.autocast(args.device.type, dtype=torch.bfloat16):
+            loss = loss_of()
         loss.backward()
         opt.step()
 
@@ -151,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
     if not args.layouts or set(args.layouts) - set(LAYOUTS):
         parser.error(f"--layouts {args.layouts}: choose from {list(LAYOUTS)}")
+    text = args.model in harness.TEXT_MODELS
+    if text:
+        args.layouts = ["none"]  # token ids have no memory format
     cuda = args.device.type == "cuda"
     torch.backends.cudnn.benchmark = cuda  # same autotuned convolutions for every variant
     rows = variants(args)
@@ -188,9 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         columns["peak x AdamW(fused)"] = lambda r: fmt(r["peak_vs_adamw"], ".2f", "x")
     columns["note"] = harness.note
     base_text = "none measured" if fastest is None else f"AdamW(fused), {fastest['layout']}"
+    sample = f"{args.image_size} tokens" if text else f"{args.image_size}x{args.image_size}"
     print(
-        f"{args.model} ({args.size}), batch {args.batch_size}, {args.image_size}x"
-        f"{args.image_size}, bf16 autocast, layouts {args.layouts}; {args.steps} timed steps "
+        f"{args.model} ({args.size}), batch {args.batch_size}, {sample}, bf16 autocast, "
+        f"layouts {args.layouts}; {args.steps} timed steps "
         f"after {args.warmup} warm-up steps; baseline of the ratios: {base_text} (the "
         "fastest AdamW row)"
     )

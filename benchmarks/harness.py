@@ -271,19 +271,36 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "tiny": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2},
         "narrow": {"img_size": 32, "patch_size": 8, "embed_dim": 32, "num_heads": 2},
     },
+    # timm's efficientnet_b0 takes no width or depth argument: small runs use small images
+    "efficientnet_b0_cifar": {"tiny": {}, "narrow": {}},
+    # GPT-2 small from transformers' GPT2Config() (124M parameters); its "narrow" keeps the
+    # 12 blocks
+    "gpt2": {
+        "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 128, "n_positions": 64},
+        "narrow": {"n_head": 2, "n_embd": 64, "vocab_size": 1024},
+    },
 }
+TEXT_MODELS = ("gpt2",)  # causal language models, built by transformers
 
 
 def build_model(
     name: str = "resnet18_cifar", size: str = "full", *, seed: int = 0, **kwargs: Any
 ) -> nn.Module:
-    """A randomly initialised timm model (``size``: ``"full"`` or one of :data:`SIZES`),
-    seeded with ``seed``, in train mode. ``resnet18_cifar`` is the package's CIFAR
-    ResNet-18 (3x3 stride-1 stem, no max-pool, 10 classes, 11.17M parameters)."""
+    """A randomly initialised model (``size``: ``"full"`` or one of :data:`SIZES`), seeded
+    with ``seed``, in train mode: a timm model, or for ``"gpt2"`` transformers'
+    ``GPT2LMHeadModel`` from ``GPT2Config`` (``kwargs`` then set the config).
+    ``resnet18_cifar`` is the package's CIFAR ResNet-18 (3x3 stride-1 stem, no max-pool, 10
+    classes, 11.17M parameters)."""
     if size != "full" and size not in SIZES.get(name, {}):
         raise ValueError(f"size {size!r} of {name}: choose 'full' or one of {list(SIZES[name])}")
     torch.manual_seed(seed)
     variant = SIZES[name][size] if size != "full" else {}
+    if name in TEXT_MODELS:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(**variant, **kwargs)).train()
+        model.loss_type = "ForCausalLM"  # transformers cannot tell it from the class name
+        return model
     return timm.create_model(name, pretrained=False, **variant, **kwargs).train()
 
 

@@ -115,6 +115,22 @@ def test_bench_train_step_vit_smoke(bench, tmp_path):
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows)
 
 
+@pytest.mark.parametrize(
+    ("model", "layout"), [("efficientnet_b0_cifar", "channels_last"), ("gpt2", "none")]
+)
+def test_bench_train_step_more_models_smoke(bench, tmp_path, model, layout):
+    """The CIFAR EfficientNet-B0 on images, GPT-2 on random tokens (one layout: none)."""
+    flags = ("--model", model, "--impls", "foreach", "--layouts", "channels_last", "--steps", "2")
+    payload = _run(bench, "bench_train_step", tmp_path, *flags, record=f"bench_train_step_{model}")
+    rows = payload["results"]
+    assert [(r["optimizer"], r["refresh"], r["layout"]) for r in rows] == [
+        ("AdamW", None, layout),
+        ("AdaFisherW", True, layout),
+        ("AdaFisherW", False, layout),
+    ]
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows)
+
+
 def test_bench_train_step_host_smoke(bench, tmp_path):
     payload = _run(bench, "bench_train_step", tmp_path, "--host", record="bench_train_step_host")
     rows = {row["refresh"]: row for row in payload["results"]}
