@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,19 @@ def _in_group(rank: int, fn: Callable[[int, int], Any], world: int, folder: str)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+        # nor does a rank exit, closing its sockets, while another is still tearing down
+        _meet(Path(folder), rank, world)
+
+
+def _meet(folder: Path, rank: int, world: int, timeout: float = 30.0) -> None:
+    """Waits (at most ``timeout`` seconds) until every rank has called this, through
+    marker files: the process group is gone by then."""
+    (folder / f"done.{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all((folder / f"done.{r}").exists() for r in range(world)):
+            return
+        time.sleep(0.01)
 
 
 def run_distributed(fn: Callable[[int, int], Any], world: int, folder: str | Path) -> list[Any]:
