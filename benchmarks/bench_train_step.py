@@ -116,6 +116,8 @@ def measure(row: dict, args: Any) -> None:
         times = harness.time_steps(step, device, warmup=0, steps=args.steps)
         row.update(harness.summarize(times, "cuda events" if cuda else "time.perf_counter"))
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
+        if row["refresh"]:  # after the timing: the counting hooks cost host time
+            row["refresh_bytes"] = harness.refresh_bytes(opt.collector, step)
     if isinstance(opt, AdaFisherW):
         opt.collector.remove()
     model = opt = step = None  # this variant's activations and state go before the next
@@ -210,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         columns["x AdamW(fused)"] = lambda r: fmt(r["vs_adamw"], ".2f", "x")
         columns["peak GiB"] = lambda r: harness.gib(r.get("peak_bytes"))
         columns["peak x AdamW(fused)"] = lambda r: fmt(r["peak_vs_adamw"], ".2f", "x")
+        columns["refresh reads GiB"] = lambda r: harness.gib(r.get("refresh_bytes"))
     columns["note"] = harness.note
     base_text = "none measured" if fastest is None else f"AdamW(fused), {fastest['layout']}"
     sample = f"{args.image_size} tokens" if text else f"{args.image_size}x{args.image_size}"

@@ -145,6 +145,32 @@ def time_steps(fn: Callable[[], Any], device: torch.device, *, warmup: int, step
     return [start.elapsed_time(end) for start, end in events]
 
 
+def refresh_bytes(collector: Any, step: Callable[[], Any]) -> int:
+    """The bytes a refresh must read, counted over one ``step`` (a refresh step): each
+    Fisher layer's input and output gradient as the collector's hooks see them, in their
+    own dtype, once each (ids for an embedding, the gradient where the rule takes it)."""
+    seen: list[int] = []
+
+    def on_input(module: nn.Module, args: tuple) -> None:
+        if args and torch.is_tensor(args[0]):
+            seen.append(args[0].nbytes)
+
+    def on_output(module: nn.Module, args: tuple, out: Any) -> None:
+        if torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(lambda grad: seen.append(grad.nbytes))
+
+    handles = []
+    for layer in collector.layers.values():
+        handles.append(layer.module.register_forward_pre_hook(on_input))
+        handles.append((layer.output_module or layer.module).register_forward_hook(on_output))
+    try:
+        step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(seen)
+
+
 def summarize(times: Sequence[float], method: str) -> dict[str, Any]:
     """Median and 20th/80th percentiles of per-call times in milliseconds."""
     p20, p50, p80 = map(float, np.percentile(np.asarray(times, dtype=np.float64), [20, 50, 80]))

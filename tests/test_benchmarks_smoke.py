@@ -91,6 +91,8 @@ def test_bench_train_step_smoke(bench, tmp_path):
         assert row["status"] == "ok", row["note"]
         assert row["median_ms"] > 0 and row["vs_adamw"] > 0
         assert row["reps"] == payload["config"]["steps"]
+    # a refresh row counts what its refresh reads; the others read nothing of the kind
+    assert all((r.get("refresh_bytes", 0) > 0) == bool(r["refresh"]) for r in rows)
     # the baseline is the fastest AdamW row, whichever layout it ran in
     adamw = [r for r in rows if r["optimizer"] == "AdamW"]
     fastest = min(adamw, key=lambda r: r["median_ms"])
@@ -113,6 +115,27 @@ def test_bench_train_step_vit_smoke(bench, tmp_path):
     rows = payload["results"]
     assert {r["layout"] for r in rows} == {"channels_last"} and len(rows) == 3
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in rows)
+
+
+def test_refresh_bytes_counts_each_layers_input_and_output_gradient(bench):
+    from torch import nn
+
+    from hf_triaccel import AdaFisherW
+
+    harness = bench("harness")
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = AdaFisherW.from_model(model, update_every=1)
+    x = torch.randn(5, 4)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    step()
+    # float32, 5 samples: the inputs (4 and 8 wide) and output gradients (8 and 2 wide)
+    assert harness.refresh_bytes(opt.collector, step) == 4 * 5 * (4 + 8 + 8 + 2)
+    opt.collector.remove()
 
 
 @pytest.mark.parametrize(
