@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hf_triaccel import TriAccelArguments, TriAccelTrainer
 from hf_triaccel.data.loading import EMBEDDED_ORIGIN
 
@@ -271,3 +273,29 @@ def load_results(path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str
 def write_json(content: Any, path: str | os.PathLike) -> None:
     """Writes ``content`` as indented JSON."""
     Path(path).write_text(json.dumps(content, indent=2))
+
+
+def run_figures(
+    report: Mapping[str, Any],
+    trainer: TriAccelTrainer,
+    args: TriAccelArguments,
+    timing: Mapping[str, Any],
+    energy: Mapping[str, Any] | None,
+    run_settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """What every recipe's ``results.json`` says of the run itself: its time figures
+    (``timing_figures``), GPU-hours, peak memory, energy, steps, epochs, hardware, versions
+    and settings."""
+    gpus = args.world_size if torch.cuda.is_available() else 0
+    return {
+        **timing,
+        "gpu_hours": round(timing["train_runtime_s"] * gpus / 3600, 6) if gpus else None,
+        "peak_memory_gb": report.get("peak_memory_gb"),
+        "energy": energy,
+        "optimizer_steps": report["optimizer_steps"],
+        "epochs": trainer.state.epoch,
+        "device": report["device"],
+        "hardware": f"{args.world_size} x {report['device']}",
+        "versions": report["versions"],
+        "settings": run_settings,
+    }

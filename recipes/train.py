@@ -65,6 +65,7 @@ from recipe_results import (
     emissions,
     identity,
     load_results,
+    run_figures,
     settings,
     timing_figures,
     write_json,
@@ -327,7 +328,6 @@ def train_and_evaluate(
         eval_runtime_s=history.eval_runtime_s,
         batch_size=run_settings["total_batch_size"],
     )
-    gpus = args.world_size if torch.cuda.is_available() else 0
     results = {
         "recipe": config.name,
         "title": config.title,
@@ -346,16 +346,7 @@ def train_and_evaluate(
         "normalisation": {"mean": list(mean), "std": list(std)},
         "eval_accuracy": metrics.get("eval_accuracy"),
         "eval_loss": metrics.get("eval_loss"),
-        **timing,
-        "gpu_hours": round(timing["train_runtime_s"] * gpus / 3600, 6) if gpus else None,
-        "peak_memory_gb": report.get("peak_memory_gb"),
-        "energy": run_energy,
-        "optimizer_steps": report["optimizer_steps"],
-        "epochs": trainer.state.epoch,
-        "device": report["device"],
-        "hardware": f"{args.world_size} x {report['device']}",
-        "versions": report["versions"],
-        "settings": run_settings,
+        **run_figures(report, trainer, args, timing, run_energy, run_settings),
         "definitions": DEFINITIONS,
         "output_dir": str(out),
     }

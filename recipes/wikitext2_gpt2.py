@@ -80,6 +80,7 @@ from recipe_results import (
     HISTORY_NAME,
     RESULTS_NAME,
     emissions,
+    run_figures,
     settings,
     timing_figures,
     write_json,
@@ -622,7 +623,6 @@ def train_and_evaluate(
     )
     points = curve(history.entries)
     steady = timing["steady_samples_per_second"]
-    gpus = args.world_size if torch.cuda.is_available() else 0
     results = {
         "task": "text-generation",
         "recipe": RECIPE,
@@ -658,17 +658,8 @@ def train_and_evaluate(
         "test_loss": test.get("test_loss"),
         "test_perplexity": perplexity(test.get("test_loss")),
         "curve": points,
-        **timing,
         "tokens_per_second": None if steady is None else round(steady * recipe_args.block_size),
-        "gpu_hours": round(timing["train_runtime_s"] * gpus / 3600, 6) if gpus else None,
-        "peak_memory_gb": report.get("peak_memory_gb"),
-        "energy": run_energy,
-        "optimizer_steps": report["optimizer_steps"],
-        "epochs": trainer.state.epoch,
-        "device": report["device"],
-        "hardware": f"{args.world_size} x {report['device']}",
-        "versions": report["versions"],
-        "settings": run_settings,
+        **run_figures(report, trainer, args, timing, run_energy, run_settings),
         "definitions": TEXT_DEFINITIONS,
         "output_dir": str(out),
     }
