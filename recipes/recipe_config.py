@@ -110,7 +110,26 @@ def available() -> list[str]:
 
 
 @dataclass
-class RecipeArguments:
+class ReportArguments:
+    """The flags of what a recipe run writes besides the model, shared by every recipe."""
+
+    plot: bool = field(
+        default=True, metadata={"help": "Write the PNG plots (--no_plot to skip them)."}
+    )
+    carbon_intensity: float = field(
+        default=475.0,
+        metadata={
+            "help": "Grid carbon intensity in g CO2eq per kWh, to turn the measured GPU "
+            "energy into emissions (default: an assumed world-average grid mix)."
+        },
+    )
+    geographical_location: str | None = field(
+        default=None, metadata={"help": "Where the run trained, for the model card."}
+    )
+
+
+@dataclass
+class RecipeArguments(ReportArguments):
     """The recipe's own flags; every ``TriAccelArguments`` field is a flag too.
 
     Example:
@@ -175,19 +194,6 @@ class RecipeArguments:
             "help": "A baseline run's results.json (or its folder) to compare with, instead "
             "of training the baseline again."
         },
-    )
-    plot: bool = field(
-        default=True, metadata={"help": "Write the PNG plots (--no_plot to skip them)."}
-    )
-    carbon_intensity: float = field(
-        default=475.0,
-        metadata={
-            "help": "Grid carbon intensity in g CO2eq per kWh, to turn the measured GPU "
-            "energy into emissions (default: an assumed world-average grid mix)."
-        },
-    )
-    geographical_location: str | None = field(
-        default=None, metadata={"help": "Where the run trained, for the model card."}
     )
 
 

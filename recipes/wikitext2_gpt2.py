@@ -73,7 +73,7 @@ from hf_triaccel.integrations.plots import plot_run
 from hf_triaccel.integrations.telemetry import REPORT_NAME
 from hf_triaccel.integrations.trainer_args import TriAccelArgumentParser, resolve_learning_rate
 
-from recipe_config import BASELINE_OPTIM
+from recipe_config import BASELINE_OPTIM, ReportArguments
 from recipe_energy import EnergyMeter, total_energy
 from recipe_results import (
     DEFINITIONS,
@@ -110,7 +110,7 @@ TEXT_DEFINITIONS = {
 
 
 @dataclass
-class TextRecipeArguments:
+class TextRecipeArguments(ReportArguments):
     """The recipe's own flags; every ``TriAccelArguments`` field is a flag too."""
 
     dataset: str = field(
@@ -183,19 +183,6 @@ class TextRecipeArguments:
             "help": "Read the data, build the vocabulary and the model, print their sizes "
             "and exit without training."
         },
-    )
-    plot: bool = field(
-        default=True, metadata={"help": "Write the PNG plots (--no_plot to skip them)."}
-    )
-    carbon_intensity: float = field(
-        default=475.0,
-        metadata={
-            "help": "Grid carbon intensity in g CO2eq per kWh, to turn the measured GPU "
-            "energy into emissions (default: an assumed world-average grid mix)."
-        },
-    )
-    geographical_location: str | None = field(
-        default=None, metadata={"help": "Where the run trained, for the model card."}
     )
 
 
