@@ -4,10 +4,10 @@ its summary: perplexity against training time for each optimizer.
 Usage::
 
     python recipes/wikitext2_grid.py run --runs_file RUNS.jsonl --max_wall 540 \\
-        --arm "adamw=--optim adamw_torch_fused" --lrs adamw=3e-4,1e-3,3e-3 \\
-        --arm "adafisher=--optim adafisherw" --lrs adafisher=1e-3,3e-3,1e-2 \\
+        --arm "adamw=--optim adamw_torch_fused" --lrs adamw=1e-4,3e-4,1e-3 \\
+        --arm "paper=--optim adafisherw --adafisher_ema paper" --lrs paper=1e-3,3e-3,1e-2 \\
         --out_dir /tmp/wikitext2_grid -- --dataset DIR
-    python recipes/wikitext2_grid.py summary RUNS.jsonl --target adamw
+    python recipes/wikitext2_grid.py summary RUNS.jsonl --target adamw --timing SOLO.jsonl
 
 ``run`` trains, arm after arm, every learning rate of the arm's list at the first seed.
 While the best of them (lowest best validation perplexity) is at an end of the list, the
@@ -21,9 +21,12 @@ limit or ``--max_wall`` stopped it, continues where it stopped.
 
 ``summary`` prints, per arm, the learning rates tried (best validation perplexity at the
 first seed), the best one, the mean and standard deviation over its seeds of the final
-and best validation and the test perplexity, and the training time to the target: the
-first evaluation (evaluations excluded from the time) at or below the target arm's best
-validation perplexity, its best runs' mean.
+and best validation and the test perplexity, and the tokens and training time to the
+target: the first evaluation of the arm's mean curve over its seeds at or below the
+lowest point of the target arm's mean curve. Runs that share the device (``run`` under
+CUDA MPS, several at once) have unequal step times, so ``--timing`` takes a runs file
+of runs that had it to themselves (``wikitext2_gpt2.py --max_steps 300 --eval_strategy
+no``) and times the target as tokens over their steady throughput.
 """
 
 from __future__ import annotations
@@ -163,21 +166,85 @@ def run_grid(
     return True
 
 
-def summary(runs: Sequence[dict[str, Any]], target_arm: str, first_seed: int) -> str:
+def mean_curve(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The seeds' mean curve: at each evaluation (the runs share their schedule), the
+    tokens, the mean validation perplexity and the mean training time (``None`` where a
+    run lacks it).
+
+    Example:
+        >>> runs = [{"curve": [{"tokens": 10, "train_time_s": 1.0, "eval_perplexity": 90.0}]},
+        ...         {"curve": [{"tokens": 10, "train_time_s": 3.0, "eval_perplexity": 80.0}]}]
+        >>> mean_curve(runs)
+        [{'tokens': 10, 'train_time_s': 2.0, 'eval_perplexity': 85.0}]
+    """
+    points = []
+    for at in zip(*(r["curve"] for r in runs), strict=True):
+        times = [p["train_time_s"] for p in at]
+        points.append(
+            {
+                "tokens": at[0]["tokens"],
+                "train_time_s": None if None in times else statistics.mean(times),
+                "eval_perplexity": statistics.mean(p["eval_perplexity"] for p in at),
+            }
+        )
+    return points
+
+
+def speed_key(key: dict[str, Any]) -> dict[str, Any]:
+    """What sets a run's step time: its key less the learning rate, the seed, the
+    budget and what the schedule does with them."""
+    timing_free = ("learning_rate", "seed", "max_steps", "eval_steps", "warmup_steps")
+    return {k: v for k, v in key.items() if k not in timing_free}
+
+
+def solo_tokens_per_second(timing: Sequence[dict[str, Any]], key: dict[str, Any]) -> float | None:
+    """The median steady throughput of the timing runs with the settings of ``key``
+    (learning rate, seed and budget aside); ``None`` when none matches.
+
+    Example:
+        >>> timing = [{"key": {"optim": "a", "seed": 1, "max_steps": 300},
+        ...            "tokens_per_second": 1000}]
+        >>> solo_tokens_per_second(timing, {"optim": "a", "seed": 42, "max_steps": 2442})
+        1000
+    """
+    wanted = speed_key(key)
+    speeds = [
+        r["tokens_per_second"]
+        for r in timing
+        if speed_key(r["key"]) == wanted and r.get("tokens_per_second")
+    ]
+    return statistics.median(speeds) if speeds else None
+
+
+def summary(
+    runs: Sequence[dict[str, Any]],
+    target_arm: str,
+    first_seed: int,
+    timing: Sequence[dict[str, Any]] = (),
+) -> str:
     """The grid's table (see the module doc), as Markdown.
+
+    Each arm's row is its best learning rate (lowest best validation perplexity at
+    ``first_seed``) over its seeds. The target is the lowest point of the target arm's
+    mean curve; an arm reaches it at the first evaluation of its own mean curve at or
+    below it. The time to the target is the tokens trained by then divided by the arm's
+    steady throughput in ``timing`` (runs that had the device to themselves) when it has
+    one, else the runs' own mean training time at that evaluation.
 
     Example:
         >>> runs = [{"name": "adamw", "key": {"seed": 0, "learning_rate": 1e-3},
         ...          "best_eval_perplexity": 100.0, "eval_perplexity": 101.0,
         ...          "test_perplexity": 98.0, "curve": [
-        ...              {"train_time_s": 10.0, "eval_perplexity": 100.0}]}]
+        ...              {"tokens": 2e6, "train_time_s": 10.0, "eval_perplexity": 100.0},
+        ...              {"tokens": 4e6, "train_time_s": 20.0, "eval_perplexity": 101.0}]}]
         >>> print(summary(runs, "adamw", 0))  # doctest: +NORMALIZE_WHITESPACE
-        target: adamw's best validation perplexity, 100.00
+        target: the lowest point of adamw's mean validation perplexity, 100.00
         | arm | learning rates (best validation perplexity, seed 0) | best lr | seeds |
-        final validation | best validation | test | time to target (s) | reached |
-        time / target arm's |
+        final validation | best validation | test | tokens to target (M) |
+        time to target (s) | time / adamw's |
         |---|---|---|---|---|---|---|---|---|---|
-        | adamw | 0.001: 100.00 | 0.001 | 1 | 101.00 | 100.00 | 98.00 | 10.0 | 1/1 | 1.000 |
+        | adamw | 0.001: 100.00 | 0.001 | 1 | 101.00 | 100.00 | 98.00 | 2.0 | 10.0 (runs) |
+        1.000 |
     """
     arms: dict[str, dict[float, list[dict]]] = {}
     for run in runs:
@@ -192,15 +259,36 @@ def summary(runs: Sequence[dict[str, Any]], target_arm: str, first_seed: int) ->
             return f"{values[0]:.2f}"
         return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
-    target_runs = arms[target_arm][best_lr(arms[target_arm])]
-    target = statistics.mean(score(r) for r in target_runs)
-    target_times = [recipe.time_to(r["curve"], target) for r in target_runs]
-    target_time = statistics.mean(t for t in target_times if t is not None)
+    def reach(best: list[dict], target: float) -> tuple[float, float | None, str] | None:
+        """Tokens and seconds at the target, and where the seconds come from."""
+        point = next((p for p in mean_curve(best) if p["eval_perplexity"] <= target), None)
+        if point is None:
+            return None
+        speed = solo_tokens_per_second(timing, best[0]["key"])
+        if speed is not None:
+            return point["tokens"], point["tokens"] / speed, "solo"
+        return point["tokens"], point["train_time_s"], "runs"
+
+    target = min(
+        p["eval_perplexity"] for p in mean_curve(arms[target_arm][best_lr(arms[target_arm])])
+    )
+    reached = {arm: reach(by_lr[best_lr(by_lr)], target) for arm, by_lr in arms.items()}
+    target_seconds = reached[target_arm][1]
+
+    def time_cells(found: tuple[float, float | None, str] | None) -> str:
+        if found is None:
+            return "not reached | | |"
+        tokens, seconds, source = found
+        if seconds is None:
+            return f"{tokens / 1e6:.1f} | n/a | |"
+        ratio = f"{seconds / target_seconds:.3f}" if target_seconds else ""
+        return f"{tokens / 1e6:.1f} | {seconds:.1f} ({source}) | {ratio} |"
+
     lines = [
-        f"target: {target_arm}'s best validation perplexity, {target:.2f}",
+        f"target: the lowest point of {target_arm}'s mean validation perplexity, {target:.2f}",
         f"| arm | learning rates (best validation perplexity, seed {first_seed}) | best lr | "
-        "seeds | final validation | best validation | test | time to target (s) | reached | "
-        "time / target arm's |",
+        "seeds | final validation | best validation | test | tokens to target (M) | "
+        f"time to target (s) | time / {target_arm}'s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, by_lr in arms.items():
@@ -212,18 +300,32 @@ def summary(runs: Sequence[dict[str, Any]], target_arm: str, first_seed: int) ->
             if r["key"]["seed"] == first_seed
         )
         best = by_lr[lr]
-        times = [t for t in (recipe.time_to(r["curve"], target) for r in best) if t is not None]
-        mean_time = statistics.mean(times) if times else None
         lines.append(
             f"| {arm} | {tried} | {lr:g} | {len(best)} | "
             f"{spread([r['eval_perplexity'] for r in best])} | "
             f"{spread([score(r) for r in best])} | "
-            f"{spread([r['test_perplexity'] for r in best])} | "
-            f"{'not reached' if mean_time is None else f'{mean_time:.1f}'} | "
-            f"{len(times)}/{len(best)} | "
-            f"{'' if mean_time is None else f'{mean_time / target_time:.3f}'} |"
+            f"{spread([r['test_perplexity'] for r in best])} | {time_cells(reached[arm])}"
         )
     return "\n".join(lines)
+
+
+def best_learning_rates(runs: Sequence[dict[str, Any]], first_seed: int) -> dict[str, float]:
+    """Each arm's best learning rate: the lowest best validation perplexity at
+    ``first_seed``.
+
+    Example:
+        >>> runs = [{"name": "a", "key": {"seed": 0, "learning_rate": lr},
+        ...          "best_eval_perplexity": ppl} for lr, ppl in ((1e-3, 90.0), (3e-3, 80.0))]
+        >>> best_learning_rates(runs, 0)
+        {'a': 0.003}
+    """
+    best: dict[str, tuple[float, float]] = {}
+    for run in runs:
+        if run["key"]["seed"] != first_seed:
+            continue
+        entry = (score(run), run["key"]["learning_rate"])
+        best[run["name"]] = min(best.get(run["name"], entry), entry)
+    return {arm: lr for arm, (_, lr) in best.items()}
 
 
 def parse_pairs(values: Sequence[str], flag: str) -> dict[str, str]:
@@ -268,9 +370,16 @@ def main(argv: list[str] | None = None) -> int:
         "--target", required=True, help="The arm whose best perplexity is the target."
     )
     show.add_argument("--seed", type=int, default=42, help="The seed that swept the lrs.")
+    show.add_argument(
+        "--timing",
+        help="A runs file of runs that had the device to themselves (e.g. short runs with "
+        "--eval_strategy no): the time to the target is the tokens to it over their steady "
+        "throughput.",
+    )
     options = parser.parse_args(own)
     if options.command == "summary":
-        print(summary(records(options.runs_file), options.target, options.seed))
+        timing = records(options.timing) if options.timing else []
+        print(summary(records(options.runs_file), options.target, options.seed, timing))
         return 0
     arms = {k: shlex.split(v) for k, v in parse_pairs(options.arm, "--arm").items()}
     lrs = {

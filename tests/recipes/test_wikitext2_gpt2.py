@@ -25,7 +25,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from hf_triaccel import AdaFisherW  # noqa: E402
-from hf_triaccel.optim.config import DEFAULT_LR  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(40)] + ["the", "game", "began", ",", ".", "<unk>"]
 SPLIT_LINES = {"train": 240, "validation": 60, "test": 60}
@@ -171,8 +170,9 @@ def test_a_recorded_run_is_skipped(run):
     runs_file = run["out"] / "runs.jsonl"
     lines = [json.loads(line) for line in runs_file.read_text().splitlines()]
     assert [line["key"]["optim"] for line in lines] == ["adamw_torch_fused", "adafisherw"]
-    assert lines[1]["key"]["adafisher"]["ema"] == "reference"
-    assert lines[1]["key"]["learning_rate"] == DEFAULT_LR  # resolved: AdaFisher's default
+    assert lines[1]["key"]["adafisher"]["ema"] == "paper"  # the recipe's rule
+    assert lines[1]["key"]["learning_rate"] == recipe.recipe_defaults()["learning_rate"]
+    assert lines[0]["key"]["learning_rate"] == recipe.TextRecipeArguments.baseline_learning_rate
     assert recipe.run_recipe(run["argv"]) is None  # both already there: nothing trains
     assert len(runs_file.read_text().splitlines()) == 2
 
@@ -334,5 +334,71 @@ def test_grid_summary_of_recorded_runs(run):
     table = grid.summary(lines, "adamw", first_seed=42)
     rows = {row.split(" | ")[0].strip("| "): row for row in table.splitlines()[3:]}
     assert set(rows) == {"adamw", "adafisher"}
-    assert rows["adamw"].endswith("| 1/1 | 1.000 |")  # the target reaches itself
+    assert rows["adamw"].endswith("(runs) | 1.000 |")  # the target reaches itself
     assert f"{lines[1]['test_perplexity']:.2f}" in rows["adafisher"]
+
+
+def test_grid_summary_times_the_target_at_solo_speed():
+    def run(name, ppls, seed=0):
+        curve = [
+            {"tokens": 1e6 * (i + 1), "train_time_s": 50.0 * (i + 1), "eval_perplexity": p}
+            for i, p in enumerate(ppls)
+        ]
+        key = {"optim": name, "learning_rate": 1e-3, "seed": seed, "max_steps": 4}
+        return {
+            "name": name,
+            "key": key,
+            "curve": curve,
+            "eval_perplexity": ppls[-1],
+            "best_eval_perplexity": min(ppls),
+            "test_perplexity": ppls[-1],
+        }
+
+    # the target is the lowest point of the seeds' mean curve (100 at 3M tokens), not
+    # the mean of the seeds' own best points (99)
+    runs = [
+        run("adamw", [130, 110, 100, 101]),
+        run("adamw", [130, 110, 100, 99], seed=1),
+        run("fast", [120, 100, 95, 94]),
+    ]
+    timing = [
+        {
+            "key": {"optim": "adamw", "learning_rate": 3e-4, "seed": 7, "max_steps": 300},
+            "tokens_per_second": 1e5,
+        },
+        {
+            "key": {"optim": "fast", "learning_rate": 3e-4, "seed": 7, "max_steps": 300},
+            "tokens_per_second": 5e4,
+        },
+    ]
+    table = grid.summary(runs, "adamw", first_seed=0, timing=timing)
+    assert table.splitlines()[0].endswith(", 100.00")
+    rows = {row.split(" | ")[0].strip("| "): row for row in table.splitlines()[3:]}
+    # adamw: 3M tokens at 1e5 tokens/s; fast: 2M at 5e4: 40 s, 4/3 of adamw's 30 s
+    assert rows["adamw"].endswith("| 3.0 | 30.0 (solo) | 1.000 |")
+    assert rows["fast"].endswith("| 2.0 | 40.0 (solo) | 1.333 |")
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def test_recipe_defaults_are_the_best_of_its_grid():
+    """The recipe's rule and learning rates are the committed grid's best
+    (benchmarks/results/wikitext2_runs.jsonl, BENCHMARKS.md)."""
+    runs = grid.records(RESULTS / "wikitext2_runs.jsonl")
+    best = grid.best_learning_rates(runs, first_seed=42)
+
+    at_best = {
+        arm: [r for r in runs if r["name"] == arm and r["key"]["learning_rate"] == lr]
+        for arm, lr in best.items()
+    }
+    assert {arm: len(seeds) for arm, seeds in at_best.items()} == dict.fromkeys(best, 3)
+    winner = min(
+        (arm for arm in best if arm != "adamw"),
+        key=lambda arm: sum(map(grid.score, at_best[arm])),
+    )
+    rule = at_best[winner][0]["key"]["adafisher"]
+    defaults = recipe.recipe_defaults()
+    assert defaults["adafisher_ema"] == rule["ema"]
+    assert defaults["learning_rate"] == best[winner]
+    assert recipe.TextRecipeArguments.baseline_learning_rate == best["adamw"]
