@@ -472,6 +472,13 @@ def note(row: dict[str, Any]) -> str:
     return (row.get("note") or "")[:200]
 
 
+def out_dir(args) -> Path:
+    """The results directory, created: ``--out``, else ``$OUT``, else the current one."""
+    directory = Path(args.out or os.environ.get("OUT") or ".")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
 def finish(name: str, script: str, args, payload: dict, text: str, processes: int = 1) -> dict:
     """Prints the device and ``text``, and writes ``<name>.json`` (``payload`` with the
     :func:`environment` of ``script`` and the arguments in its ``config``) and
@@ -481,8 +488,7 @@ def finish(name: str, script: str, args, payload: dict, text: str, processes: in
     if processes > 1:  # the launcher's own command line is not visible from inside
         env.update(processes=processes, command=f"{processes} processes: {env['command']}")
     print(f"device: {env['device']}; torch {env['versions']['torch']}\n{text}")
-    directory = Path(args.out or os.environ.get("OUT") or ".")
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = out_dir(args)
     path = directory / f"{name}.json"
     skip = ("argv", "smoke_defaults", "out")  # the settings: what the arguments chose
     config = {k: str(v) if k == "device" else v for k, v in vars(args).items() if k not in skip}

@@ -575,3 +575,36 @@ def test_fisher_ranges_smoke(bench, capsys):
     # gradient statistics inside the branches are all zero, a range of 0.)
     relative = fisher_ranges.main(["--smoke", "--steps", "2", "--normalise", "relative"])
     assert relative["g_used_max"]["min"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_profile_refresh_smoke(bench, tmp_path):
+    from torch import nn
+
+    from hf_triaccel.curvature.layer import LayerFactors
+
+    taken = LayerFactors.take_activation
+    payload = _run(bench, "profile_refresh", tmp_path, "--trace")
+    assert LayerFactors.take_activation is taken  # the labels are gone after profiling
+    results = payload["results"]
+    refresh = results["AdaFisherW, refresh every step"]["ranges"]
+    convs = sum(
+        isinstance(m, nn.Conv2d)
+        for m in bench("harness").build_model("resnet18_cifar", "tiny").modules()
+    )
+    # every conv writes its a and g once a step; the fold runs once, inside the step
+    assert refresh["a: ConvRule"][0] == refresh["g: ConvRule"][0] == convs
+    assert refresh["fold"][0] == 1
+    for name in ("AdamW(fused)", "AdaFisherW, no refresh"):
+        ranges = results[name]["ranges"]
+        assert set(ranges) == {"zero_grad", "forward", "backward", "optimizer step"}
+        assert all(calls == 1 for calls, _, _ in ranges.values())
+    for result in results.values():
+        assert result["wall_ms"] > 0 and result["aten_ops"] > 0
+    # the refresh step runs more operators than the step without it
+    assert (
+        results["AdaFisherW, refresh every step"]["aten_ops"]
+        > results["AdaFisherW, no refresh"]["aten_ops"]
+    )
+    table = (tmp_path / "profile_refresh.md").read_text()
+    assert "What a refresh adds" in table and "|   a: ConvRule |" in table
+    assert (tmp_path / "profile_refresh_resnet18_cifar.trace.json").stat().st_size > 0
