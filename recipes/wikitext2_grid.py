@@ -250,9 +250,7 @@ def summary(
     for run in runs:
         arms.setdefault(run["name"], {}).setdefault(run["key"]["learning_rate"], []).append(run)
 
-    def best_lr(by_lr: dict[float, list[dict]]) -> float:
-        firsts = {lr: [r for r in rs if r["key"]["seed"] == first_seed] for lr, rs in by_lr.items()}
-        return min((lr for lr in firsts if firsts[lr]), key=lambda lr: score(firsts[lr][0]))
+    best_lr = best_learning_rates(runs, first_seed)
 
     def spread(values: list[float]) -> str:
         if len(values) < 2:
@@ -269,10 +267,8 @@ def summary(
             return point["tokens"], point["tokens"] / speed, "solo"
         return point["tokens"], point["train_time_s"], "runs"
 
-    target = min(
-        p["eval_perplexity"] for p in mean_curve(arms[target_arm][best_lr(arms[target_arm])])
-    )
-    reached = {arm: reach(by_lr[best_lr(by_lr)], target) for arm, by_lr in arms.items()}
+    target = min(p["eval_perplexity"] for p in mean_curve(arms[target_arm][best_lr[target_arm]]))
+    reached = {arm: reach(by_lr[best_lr[arm]], target) for arm, by_lr in arms.items()}
     target_seconds = reached[target_arm][1]
 
     def time_cells(found: tuple[float, float | None, str] | None) -> str:
@@ -292,7 +288,7 @@ def summary(
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, by_lr in arms.items():
-        lr = best_lr(by_lr)
+        lr = best_lr[arm]
         tried = ", ".join(
             f"{x:g}: {score(r):.2f}"
             for x in sorted(by_lr)
