@@ -27,9 +27,15 @@
 #      check of the grid's runs).
 #   6. acceptance: every figure against its target (acceptance.py).
 #
+# --refresh runs the refresh-cost stages instead, in one call of under 10 minutes: for the
+# CIFAR ResNet-18, ViT-B/16, the CIFAR EfficientNet-B0 and GPT-2 small, bench_train_step.py
+# (channels_last; AdaFisherW refreshing on every step and on none against AdamW(fused): step
+# time, peak memory, the bytes a refresh reads) and profile_refresh.py (where the refresh's
+# time goes; the Chrome traces of the ResNet and GPT-2 gzipped beside the tables).
+#
 # Usage, from anywhere (the repository is this script's parent folder):
-#   bash benchmarks/fast_defaults.sh [--long]            # a GPU; $OUT receives the records
-#   bash benchmarks/fast_defaults.sh [--long] --smoke    # CPU, tiny models, every stage
+#   bash benchmarks/fast_defaults.sh [--long | --refresh]           # a GPU; records in $OUT
+#   bash benchmarks/fast_defaults.sh [--long | --refresh] --smoke   # CPU, tiny models
 # Environment: OUT (default .out/fast_defaults), PYTHON (default python3, else python),
 # DATA (default .data/cifar10 when it holds train.parquet, else the embedded CIFAR-10
 # slice), COMPILE_BACKEND (default inductor). Without the `datasets` package, the wheels in .whl/
@@ -43,7 +49,8 @@ for arg in "$@"; do
     case "$arg" in
         --smoke) smoke=(--smoke) ;;
         --long) suite=fast_defaults_long ;;
-        *) echo "usage: $0 [--long] [--smoke]" >&2; exit 2 ;;
+        --refresh) suite=fast_defaults_refresh ;;
+        *) echo "usage: $0 [--long | --refresh] [--smoke]" >&2; exit 2 ;;
     esac
 done
 
@@ -181,7 +188,36 @@ short_stages() {
         --out "$OUT/trainer_compile"
 }
 
-if [[ $suite == fast_defaults_long ]]; then long_stages; else short_stages; fi
+# --refresh: the refresh-cost stages
+refresh_stages() {
+    impls=triton
+    [[ ${#smoke[@]} -gt 0 ]] && impls=foreach
+    local model limit steps
+    for model in resnet18_cifar vit_base_patch16_224 efficientnet_b0_cifar gpt2; do
+        steps=()
+        limit=70
+        if [[ $model == vit_base_patch16_224 && ${#smoke[@]} -eq 0 ]]; then
+            steps=(--warmup 10 --steps 50)
+            limit=90
+        fi
+        stage "train_step_$model" "$limit" \
+            "$PY" benchmarks/bench_train_step.py "${smoke[@]}" --model "$model" \
+            --layouts channels_last --impls "$impls" "${steps[@]}" --out "$OUT/train_step_$model"
+        trace=()
+        [[ $model == resnet18_cifar || $model == gpt2 ]] && trace=(--trace)
+        stage "profile_$model" 60 \
+            "$PY" benchmarks/profile_refresh.py "${smoke[@]}" --model "$model" \
+            --impls "$impls" "${trace[@]}" --out "$OUT/profile_$model"
+        # the traces run to tens of MB
+        gzip -f "$OUT/profile_$model"/*.trace.json 2>/dev/null
+    done
+}
+
+case $suite in
+    fast_defaults_long) long_stages ;;
+    fast_defaults_refresh) refresh_stages ;;
+    *) short_stages ;;
+esac
 
 printf '\n%d stage(s) failed; records in %s\n' "$failed" "$OUT" | tee -a "$summary"
 echo

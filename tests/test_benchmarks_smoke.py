@@ -307,6 +307,32 @@ def test_fast_defaults_script_smoke(tmp_path):
     assert "0 stage(s) failed" in summary
 
 
+def test_fast_defaults_refresh_script_smoke(tmp_path):
+    """``fast_defaults.sh --refresh``: the training step and the refresh profile of every
+    model, each stage's record written, the traces gzipped (CPU, tiny models)."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    script = BENCHMARKS / "fast_defaults.sh"
+    done = subprocess.run(
+        ["bash", str(script), "--refresh", "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    models = ("resnet18_cifar", "vit_base_patch16_224", "efficientnet_b0_cifar", "gpt2")
+    for model in models:
+        suffix = "" if model == "resnet18_cifar" else f"_{model}"
+        steps = _load(tmp_path / f"train_step_{model}" / f"bench_train_step{suffix}.json")
+        assert all(r["status"] == "ok" for r in steps["results"]), model
+        profile = _load(tmp_path / f"profile_{model}" / f"profile_refresh{suffix}.json")
+        assert profile["results"]["AdaFisherW, refresh every step"]["ranges"]["fold"][0] == 1
+    for model in ("resnet18_cifar", "gpt2"):
+        assert (tmp_path / f"profile_{model}" / f"profile_refresh_{model}.trace.json.gz").is_file()
+    summary = (tmp_path / "fast_defaults_refresh.md").read_text()
+    assert summary.count("exit 0 after") == 2 * len(models)
+
+
 def test_time_to_accuracy_smoke_appends_resumes_and_times(bench, tmp_path, capsys):
     tta = bench("time_to_accuracy")
     results, times = tmp_path / "tta.jsonl", tmp_path / "times.jsonl"
