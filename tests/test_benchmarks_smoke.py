@@ -283,16 +283,26 @@ def test_bench_elastic_fixed_micro_batch_needs_the_elastic_run(bench):
 
 
 @pytest.mark.slow
-def test_fast_defaults_script_smoke(tmp_path):
-    """Every stage of benchmarks/fast_defaults.sh runs and writes its record (CPU, tiny
-    models; dynamo's eager backend for the compiled stage, to stay within seconds)."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    env["COMPILE_BACKEND"] = "eager"
-    script = BENCHMARKS / "fast_defaults.sh"
+def _fast_defaults(tmp_path: Path, *flags: str, timeout: int = 500, **env: str) -> None:
+    """Runs ``benchmarks/fast_defaults.sh --smoke FLAGS`` with its records in ``tmp_path``
+    (dynamo's eager backend for the compiled stages, to stay within seconds); every stage
+    must pass."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, **env}
+    env.setdefault("COMPILE_BACKEND", "eager")
     done = subprocess.run(
-        ["bash", str(script), "--smoke"], env=env, capture_output=True, text=True, timeout=500
+        ["bash", str(BENCHMARKS / "fast_defaults.sh"), *flags, "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_fast_defaults_script_smoke(tmp_path):
+    """Every stage of benchmarks/fast_defaults.sh runs and writes its record (CPU, tiny
+    models)."""
+    _fast_defaults(tmp_path)
     records = {
         "train_step_resnet18": "bench_train_step",
         "train_step_vit_b16": "bench_train_step_vit_base_patch16_224",
@@ -310,16 +320,7 @@ def test_fast_defaults_script_smoke(tmp_path):
 def test_fast_defaults_refresh_script_smoke(tmp_path):
     """``fast_defaults.sh --refresh``: the training step and the refresh profile of every
     model, each stage's record written, the traces gzipped (CPU, tiny models)."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    script = BENCHMARKS / "fast_defaults.sh"
-    done = subprocess.run(
-        ["bash", str(script), "--refresh", "--smoke"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _fast_defaults(tmp_path, "--refresh")
     models = ("resnet18_cifar", "vit_base_patch16_224", "efficientnet_b0_cifar", "gpt2")
     for model in models:
         suffix = "" if model == "resnet18_cifar" else f"_{model}"
@@ -448,17 +449,7 @@ def test_chosen_values_change_the_rule_only_beyond_the_noise(bench):
 def test_fast_defaults_long_script_smoke(tmp_path):
     """Every stage of ``fast_defaults.sh --long`` runs and leaves the records the
     acceptance figures are read from (CPU, tiny models, the embedded data)."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DATA": "embedded"}
-    env["COMPILE_BACKEND"] = "eager"
-    script = BENCHMARKS / "fast_defaults.sh"
-    done = subprocess.run(
-        ["bash", str(script), "--long", "--smoke"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _fast_defaults(tmp_path, "--long", timeout=600, DATA="embedded")
     stages = ("recipe", "loop", "recipe_compile", "elastic", "time_to_accuracy", "acceptance")
     summary = (tmp_path / "fast_defaults_long.md").read_text()
     assert summary.count("exit 0 after") == len(stages) and "0 stage(s) failed" in summary
