@@ -104,8 +104,13 @@ def phased_step(opt: torch.optim.Optimizer, loss_of: Callable, device: torch.dev
 
 
 def kernel_events(events: Sequence[Any]) -> list[Any]:
-    """The device's kernels among the profile's events."""
-    return [e for e in events if e.device_type == DeviceType.CUDA]
+    """The device's kernels (and copies) among the profile's events; a labelled range
+    shows on the device too, as an annotation that is not work of its own."""
+    return [
+        e
+        for e in events
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
 
 
 def per_step(events: Sequence[Any], steps: int, cuda: bool) -> dict[str, Any]:
@@ -114,7 +119,8 @@ def per_step(events: Sequence[Any], steps: int, cuda: bool) -> dict[str, Any]:
     ranges: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     names = Counter(e.name for e in events)
     for e in events:
-        if e.name in PHASES or e.name == "fold" or e.name[:3] in ("a: ", "g: "):
+        labelled = e.name in PHASES or e.name == "fold" or e.name[:3] in ("a: ", "g: ")
+        if labelled and e.device_type == DeviceType.CPU:
             entry = ranges[e.name]
             entry[0] += 1
             entry[1] += e.cpu_time_total / 1e3
