@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 from collections.abc import Mapping, Sequence
@@ -30,8 +31,11 @@ import torch
 
 from hf_triaccel import TriAccelArguments, TriAccelTrainer
 from hf_triaccel.data.loading import EMBEDDED_ORIGIN
+from hf_triaccel.integrations.model_card import push_run, write_card
 
 from recipe_config import EMBEDDED, RecipeArguments, RecipeConfig
+
+logger = logging.getLogger("recipes")
 
 RESULTS_NAME = "results.json"
 # the model-index identifier of the embedded slice: no Hub data set has its splits
@@ -273,6 +277,24 @@ def load_results(path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str
 def write_json(content: Any, path: str | os.PathLike) -> None:
     """Writes ``content`` as indented JSON."""
     Path(path).write_text(json.dumps(content, indent=2))
+
+
+def publish(results: dict[str, Any], args: TriAccelArguments, push: bool, outcome: str) -> None:
+    """Writes the run's ``results.json`` and model card into ``args.output_dir``, logs
+    ``outcome`` with where they are, then uploads the run when ``push``.
+
+    Raises:
+        PushToHubError: the upload failed; every output is already written.
+    """
+    write_json(results, Path(args.output_dir) / RESULTS_NAME)
+    repo_id = args.hub_model_id or Path(args.output_dir).resolve().name
+    write_card(results, args.output_dir, repo_id=repo_id)
+    logger.info("%s; outputs in %s", outcome, args.output_dir)
+    if push:
+        url = push_run(
+            results, args.output_dir, repo_id, token=args.hub_token, private=args.hub_private_repo
+        )
+        logger.info("published %s", url)
 
 
 def run_figures(

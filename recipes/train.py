@@ -43,7 +43,7 @@ from transformers import EvalPrediction, TrainerCallback, set_seed
 from hf_triaccel import TriAccelArguments, TriAccelTrainer
 from hf_triaccel.data import ImageTensors, load_image_dataset
 from hf_triaccel.data.loading import ClassCountError
-from hf_triaccel.integrations.model_card import PushToHubError, push_run, write_card
+from hf_triaccel.integrations.model_card import PushToHubError
 from hf_triaccel.integrations.plots import plot_run
 from hf_triaccel.integrations.telemetry import REPORT_NAME
 from hf_triaccel.integrations.timm_models import create_cifar_model, save_model
@@ -65,6 +65,7 @@ from recipe_results import (
     emissions,
     identity,
     load_results,
+    publish,
     run_figures,
     settings,
     timing_figures,
@@ -426,15 +427,7 @@ def run_recipe(argv: list[str] | None = None, recipe: str | None = None) -> dict
             precision_events=run.precision_events,
             last_step=results["optimizer_steps"],
         )
-    write_json(results, Path(args.output_dir) / RESULTS_NAME)
-    repo_id = args.hub_model_id or Path(args.output_dir).resolve().name
-    write_card(results, args.output_dir, repo_id=repo_id)
-    logger.info("accuracy %s; outputs in %s", results["eval_accuracy"], args.output_dir)
-    if push:
-        url = push_run(
-            results, args.output_dir, repo_id, token=args.hub_token, private=args.hub_private_repo
-        )
-        logger.info("published %s", url)
+    publish(results, args, push, f"accuracy {results['eval_accuracy']}")
     return results
 
 

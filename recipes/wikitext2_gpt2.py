@@ -68,7 +68,7 @@ from hf_triaccel.data.text import (
     token_ids,
     word_level_tokenizer,
 )
-from hf_triaccel.integrations.model_card import PushToHubError, push_run, write_card
+from hf_triaccel.integrations.model_card import PushToHubError
 from hf_triaccel.integrations.plots import plot_run
 from hf_triaccel.integrations.telemetry import REPORT_NAME
 from hf_triaccel.integrations.trainer_args import TriAccelArgumentParser, resolve_learning_rate
@@ -80,6 +80,7 @@ from recipe_results import (
     HISTORY_NAME,
     RESULTS_NAME,
     emissions,
+    publish,
     run_figures,
     settings,
     timing_figures,
@@ -808,20 +809,11 @@ def run_recipe(argv: list[str], prog: str | None = None) -> dict[str, Any] | Non
         results["comparison"] = compare(results, baseline.results)
         curves[f"{results['baseline']['optim']} (baseline)"] = baseline.history
     results["plots"] = plot_run(args.output_dir, curves) if recipe_args.plot else {}
-    write_json(results, Path(args.output_dir) / RESULTS_NAME)
-    repo_id = args.hub_model_id or Path(args.output_dir).resolve().name
-    write_card(results, args.output_dir, repo_id=repo_id)
-    logger.info(
-        "validation perplexity %.2f, test %.2f; outputs in %s",
-        results["eval_perplexity"],
-        results["test_perplexity"],
-        args.output_dir,
+    outcome = (
+        f"validation perplexity {results['eval_perplexity']:.2f}, "
+        f"test {results['test_perplexity']:.2f}"
     )
-    if push:
-        url = push_run(
-            results, args.output_dir, repo_id, token=args.hub_token, private=args.hub_private_repo
-        )
-        logger.info("published %s", url)
+    publish(results, args, push, outcome)
     return results
 
 
