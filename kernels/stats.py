@@ -4,18 +4,19 @@ The two reductions read their input once in its own dtype (float32, bfloat16 or
 float16) and accumulate in float32. Work is split over rows as well as columns so that
 both tall-skinny inputs (Linear: 512K rows, hundreds of columns) and short-wide ones
 (conv inputs reduced over a batch of 512, tens of thousands of columns) fill the GPU.
-Each split writes its own row of a float32 partials buffer and a second small kernel
-adds the rows in a fixed order, so results are bitwise reproducible from run to run
-(no atomics). Whichever kernel produces the totals also applies the caller's epilogue
-(scale, write or add into a given buffer), so that a Fisher statistic's sums are
-accumulated with no operation besides the one or two launches.
+Each split writes its own row of a float32 partials buffer; the program that finishes
+an output block last (one atomic ticket per block) adds the block's rows in a fixed
+order, so results are bitwise reproducible from run to run. Whichever program produces
+the totals also applies the caller's epilogue (scale, write or add into a given
+buffer). A :class:`ReductionLaunch`, worked out once per input geometry and kept with
+its workspace, makes a Fisher statistic's sums one kernel launch and nothing else.
 
 :func:`fold_triton` folds every Fisher factor of a model in a single launch: one
 program per factor, addressed through a device table of data pointers
 (:func:`fold_table`).
 
-Over 400 lines: the two reductions, their finishing pass, the epilogue they share and
-the launch geometry are one unit of about 400 lines, and the fold kernel, which consumes
+Over 400 lines: the two reductions, the epilogue they share and their launch geometry
+are one unit of about 400 lines, and the fold kernel, which consumes
 what they produce, stays beside them; every kernel keeps its launcher and checks next to
 it.
 """
@@ -49,8 +50,6 @@ _PROGRAMS_PER_SM = 4
 # Under the CPU interpreter every program costs Python time; a handful still exercises
 # the split-and-finish path.
 _INTERPRETED_PROGRAMS = 8
-# Narrow column blocks in the finishing pass: more programs when D is a few hundred.
-_FINISH_BLOCK_N = 128
 _FOLD_BLOCK = 4096
 _FOLD_NUM_WARPS = 16
 
@@ -74,47 +73,94 @@ def _load_term(ptrs, mask, SQUARE: tl.constexpr):
 
 
 @triton.jit
-def _write_totals(
-    dst_ptr,
+def _write_tail(out_ptr, start, tail_len, tail_value, BLOCK: tl.constexpr):
+    """``out[start : start + tail_len]``: zeros, then ``tail_value`` in its last entry."""
+    for s in range(0, tail_len, BLOCK):
+        offs = s + tl.arange(0, BLOCK)  # (BLOCK,)
+        values = tl.where(offs == tail_len - 1, tail_value, 0.0)
+        tl.store(out_ptr + start + offs, values, mask=offs < tail_len)
+
+
+@triton.jit
+def _epilogue(
+    out_ptr,
+    part_ptr,
+    ticket_ptr,
     offs,
     mask,
     total,
+    block,
     split,
+    n_splits,
     n,
     scale,
-    FINAL: tl.constexpr,
+    tail_len,
+    tail_value,
+    SPLIT: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """A program's sums: through the epilogue into ``dst`` (n,) when ``FINAL``, else into
-    row ``split`` of the (splits, n) partials buffer ``dst``."""
-    if FINAL:
-        _store_result(dst_ptr, offs, mask, total, scale, ACCUMULATE)
+    """A program's sums ``total`` of output block ``block`` (entries ``offs`` of n).
+
+    Unsplit, they are the totals: through the result epilogue into ``out``. Split, they
+    go to row ``split`` of the (n_splits, n) float32 partials ``part``, and the program
+    that takes the block's last ticket adds the block's rows in a fixed order (so the
+    totals do not depend on which program finishes last), writes the totals through the
+    epilogue and resets the ticket for the next launch. With ``TAIL``, whoever writes
+    block 0's totals also writes ``out[n : n + tail_len]`` (:func:`_write_tail`).
+    """
+    if SPLIT:
+        tl.store(part_ptr + split * n + offs, total, mask=mask)
+        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
+        ticket = tl.atomic_add(ticket_ptr + block, 1, sem="acq_rel")
+        if ticket == n_splits - 1:
+            acc = tl.zeros((BLOCK_S, BLOCK), dtype=tl.float32)
+            for s in range(0, n_splits, BLOCK_S):
+                splits = s + tl.arange(0, BLOCK_S)  # (BLOCK_S,)
+                tile = (splits < n_splits)[:, None] & mask[None, :]  # (BLOCK_S, BLOCK)
+                ptrs = part_ptr + splits[:, None] * n + offs[None, :]
+                # past L1: other programs wrote these rows from other multiprocessors
+                acc += tl.load(ptrs, mask=tile, other=0.0, cache_modifier=".cg")
+            _store_result(out_ptr, offs, mask, tl.sum(acc, axis=0), scale, ACCUMULATE)
+            tl.store(ticket_ptr + block, 0)
+            if TAIL:  # noqa: SIM102 (a constexpr test, then a run-time one)
+                if block == 0:
+                    _write_tail(out_ptr, n, tail_len, tail_value, BLOCK)
     else:
-        tl.store(dst_ptr + split * n + offs, total, mask=mask)
+        _store_result(out_ptr, offs, mask, total, scale, ACCUMULATE)
+        if TAIL:  # noqa: SIM102 (a constexpr test, then a run-time one)
+            if block == 0:
+                _write_tail(out_ptr, n, tail_len, tail_value, BLOCK)
 
 
 @triton.jit
 def _sum_rows_kernel(
     x_ptr,
-    dst_ptr,
+    out_ptr,
+    part_ptr,
+    ticket_ptr,
     n_rows,
     n_cols,
     stride_row,
     rows_per_split,
+    n_splits,
     scale,
+    tail_len,
+    tail_value,
     SQUARE: tl.constexpr,
-    FINAL: tl.constexpr,
+    SPLIT: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    TAIL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """Partial column sums of one (rows_per_split, BLOCK_D) slab of ``x``.
+    """Column sums of one (rows_per_split, BLOCK_D) slab of ``x`` (n_rows, n_cols) with
+    unit column stride, finished by :func:`_epilogue`.
 
-    Grid: (column blocks, splits). ``x`` is (n_rows, n_cols) with unit column stride.
-    With ``FINAL`` (a single split) this program's sums are the column totals and go
-    through the result epilogue into ``dst`` (n_cols,); otherwise ``dst`` is the
-    (splits, n_cols) float32 partials buffer and this program fills
-    ``dst[split, block columns]``.
+    Grid: (column blocks, splits).
     """
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -131,13 +177,18 @@ def _sum_rows_kernel(
         ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
         acc += _load_term(ptrs, mask, SQUARE)
     total = tl.sum(acc, axis=0)
-    _write_totals(dst_ptr, cols, col_mask, total, pid_s, n_cols, scale, FINAL, ACCUMULATE)
+    _epilogue(
+        out_ptr, part_ptr, ticket_ptr, cols, col_mask, total, pid_d, pid_s, n_splits,
+        n_cols, scale, tail_len, tail_value, SPLIT, ACCUMULATE, TAIL, BLOCK_D, BLOCK_S,
+    )  # fmt: skip
 
 
 @triton.jit
 def _channel_sum_kernel(
     x_ptr,
-    dst_ptr,
+    out_ptr,
+    part_ptr,
+    ticket_ptr,
     n_chan,
     n_pos,
     stride_b,
@@ -145,21 +196,24 @@ def _channel_sum_kernel(
     n_pos_blocks,
     items_per_split,
     n_items,
+    n_splits,
     scale,
+    tail_len,
+    tail_value,
     SQUARE: tl.constexpr,
-    FINAL: tl.constexpr,
+    SPLIT: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    TAIL: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """Partial per-channel sums of ``x`` (B, C, L) with unit stride along L.
+    """Per-channel sums of ``x`` (B, C, L) with unit stride along L over one split's work
+    items, finished by :func:`_epilogue`.
 
     Grid: (channel blocks, splits). A work item is one (batch, position block) pair,
     numbered ``b * n_pos_blocks + l_block``; each split takes a contiguous run of items
     so that both a large batch and long rows can be spread over many programs.
-    With ``FINAL`` (a single split) the sums go through the result epilogue into
-    ``dst`` (C,); otherwise ``dst`` is (splits, C) float32 and this program fills
-    ``dst[split, block channels]``.
     """
     pid_c = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -176,35 +230,10 @@ def _channel_sum_kernel(
         ptrs = x_ptr + b.to(tl.int64) * stride_b + chan_off[:, None] + pos[None, :]
         acc += _load_term(ptrs, mask, SQUARE)
     total = tl.sum(acc, axis=1)
-    _write_totals(dst_ptr, chans, chan_mask, total, pid_s, n_chan, scale, FINAL, ACCUMULATE)
-
-
-@triton.jit
-def _finish_kernel(
-    part_ptr,
-    out_ptr,
-    n_splits,
-    n_cols,
-    scale,
-    ACCUMULATE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """``out[j] (+)= scale * sum_s part[s, j]`` for ``part`` (n_splits, n_cols), summed in a
-    fixed order.
-
-    Grid: (column blocks,). Loads (BLOCK_S, BLOCK_N) tiles so that hundreds of splits
-    cost a few loop steps rather than one dependent load each.
-    """
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    col_mask = cols < n_cols
-    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-    for s in range(0, n_splits, BLOCK_S):
-        splits = s + tl.arange(0, BLOCK_S)  # (BLOCK_S,)
-        mask = (splits < n_splits)[:, None] & col_mask[None, :]  # (BLOCK_S, BLOCK_N)
-        acc += tl.load(part_ptr + splits[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-    total = tl.sum(acc, axis=0)
-    _store_result(out_ptr, cols, col_mask, total, scale, ACCUMULATE)
+    _epilogue(
+        out_ptr, part_ptr, ticket_ptr, chans, chan_mask, total, pid_c, pid_s, n_splits,
+        n_chan, scale, tail_len, tail_value, SPLIT, ACCUMULATE, TAIL, BLOCK_C, BLOCK_S,
+    )  # fmt: skip
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -233,7 +262,7 @@ def _target_programs(device: torch.device) -> int:
 def _split(n_units: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
     """Splits ``n_units`` of sequential work so ``n_blocks * splits`` nears the target.
 
-    No split when the blocks alone give half the target: the finishing pass would then
+    No split when the blocks alone give half the target: adding the partials would then
     cost more than the extra parallelism gains.
 
     Returns:
@@ -246,127 +275,132 @@ def _split(n_units: int, n_blocks: int, device: torch.device) -> tuple[int, int]
     return per_split, _cdiv(n_units, per_split)
 
 
-# The launch geometry depends only on the sizes: the statistics hooks call the kernels
-# with the same few shapes on every refresh step, so it is worked out once per shape.
-@functools.lru_cache(maxsize=1024)
-def _sum_rows_geometry(n: int, d: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_D, column blocks, rows per split, splits) for an (n, d) input."""
+class ReductionLaunch:
+    """One reduction worked out for one input geometry: its kernel, grid and size
+    arguments, and, when the work is split over programs, a workspace of its own (the
+    partial sums and one ticket per output block) that every later launch reuses.
+
+    Calling it with a tensor of that geometry (the one whose strides it was made from, or
+    any tensor starting at the same element of a storage laid out alike) is one kernel
+    launch and nothing else: no view, allocation or check. Launches of one object must
+    run in order (one stream), as they share the workspace.
+
+    With ``tail=(length, value)``, the launch also writes ``out[n : n + length]``: zeros,
+    then ``value`` last (where a normalisation layer's sums keep their size entry).
+    """
+
+    __slots__ = ("kernel", "grid", "args", "meta", "part", "tickets")
+
+    def __init__(self, kernel, grid, args, meta, splits, n, device, tail):
+        self.kernel = kernel
+        self.grid = grid
+        self.args = (*args, splits)
+        self.meta = dict(meta, SPLIT=splits > 1, TAIL=tail is not None)
+        self.meta["BLOCK_S"] = min(_pow2(splits), max(1, _TILE // meta[_BLOCK_KEY[kernel]]))
+        self.part = self.tickets = None
+        if splits > 1:
+            self.part = torch.empty(splits, n, dtype=torch.float32, device=device)
+            self.tickets = torch.zeros(grid[0], dtype=torch.int32, device=device)
+        self.args += (0, 0.0) if tail is None else (int(tail[0]), float(tail[1]))
+
+    def __call__(
+        self, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False
+    ) -> None:
+        part = out if self.part is None else self.part
+        tickets = out if self.tickets is None else self.tickets
+        n_args = len(self.args) - 2
+        self.kernel[self.grid](
+            x,
+            out,
+            part,
+            tickets,
+            *self.args[:n_args],
+            scale,
+            *self.args[n_args:],
+            ACCUMULATE=accumulate,
+            **self.meta,
+        )
+
+
+_BLOCK_KEY = {_sum_rows_kernel: "BLOCK_D", _channel_sum_kernel: "BLOCK_C"}
+
+
+def rows_launch(
+    n: int, d: int, stride_row: int, device: torch.device, square: bool, tail=None
+) -> ReductionLaunch:
+    """Column sums of an (n, d) input with unit column stride and row stride
+    ``stride_row``; n, d >= 1."""
     block_d = min(_pow2(d), _MAX_BLOCK_D)
     block_n = min(max(1, _TILE // block_d), _pow2(n))
     col_blocks = _cdiv(d, block_d)
     blocks_per_split, splits = _split(_cdiv(n, block_n), col_blocks, device)
-    return block_n, block_d, col_blocks, blocks_per_split * block_n, splits
+    args = (n, d, stride_row, blocks_per_split * block_n)
+    meta = {"SQUARE": square, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": _NUM_WARPS}
+    return ReductionLaunch(
+        _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail
+    )
 
 
-@functools.lru_cache(maxsize=1024)
-def _channel_sum_geometry(
-    b: int, c: int, length: int, device: torch.device
-) -> tuple[int, int, int, int, int, int, int]:
-    """(BLOCK_C, BLOCK_L, channel blocks, position blocks, items, items per split,
-    splits) for a (b, c, length) input."""
+def channels_launch(
+    b: int,
+    c: int,
+    length: int,
+    stride_b: int,
+    stride_c: int,
+    device: torch.device,
+    square: bool,
+    tail=None,
+) -> ReductionLaunch:
+    """Per-channel sums of a (b, c, length) input with unit stride along its last dim;
+    b, c, length >= 1."""
     block_l = min(_pow2(length), _MAX_BLOCK_L)
     block_c = min(max(1, _TILE // block_l), _pow2(c))
     chan_blocks = _cdiv(c, block_c)
     pos_blocks = _cdiv(length, block_l)
     n_items = b * pos_blocks
     items_per_split, splits = _split(n_items, chan_blocks, device)
-    return block_c, block_l, chan_blocks, pos_blocks, n_items, items_per_split, splits
-
-
-def _finish(
-    part: torch.Tensor, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False
-) -> None:
-    """Adds the rows of ``part`` (splits, n) and writes (or adds) the scaled total into
-    ``out`` (n,)."""
-    splits, n = part.shape
-    block_n = min(_pow2(n), _FINISH_BLOCK_N)
-    block_s = min(_pow2(splits), max(1, _TILE // block_n))
-    _finish_kernel[(_cdiv(n, block_n),)](
-        part,
-        out,
-        splits,
-        n,
-        scale,
-        ACCUMULATE=accumulate,
-        BLOCK_S=block_s,
-        BLOCK_N=block_n,
-        num_warps=_NUM_WARPS,
+    args = (c, length, stride_b, stride_c, pos_blocks, items_per_split, n_items)
+    meta = {"SQUARE": square, "BLOCK_C": block_c, "BLOCK_L": block_l, "num_warps": _NUM_WARPS}
+    return ReductionLaunch(
+        _channel_sum_kernel, (chan_blocks, splits), args, meta, splits, c, device, tail
     )
 
 
-def _flags(square: bool, final: bool, accumulate: bool) -> dict[str, bool]:
-    """A reduction kernel's constexpr flags: the epilogue runs in the kernel when its
-    single split gives the totals, else in the finishing pass."""
-    return {"SQUARE": square, "FINAL": final, "ACCUMULATE": accumulate and final}
+def reduction_launch(view: torch.Tensor, square: bool, tail=None) -> ReductionLaunch | None:
+    """The launch that sums ``view`` as laid out now: a 2-D view over its rows, a 3-D
+    view over dims 0 and 2; ``None`` when no kernel reads that layout in place (the
+    caller copies it first) or the view is empty.
 
+    A 2-D view with unit row stride is summed as the channels of its transpose, a 3-D
+    view with unit channel stride (channels-last) or a single position as the rows of
+    its (B * L, C) view, each without a copy.
 
-def _launch_sum_rows(
-    x: torch.Tensor,
-    square: bool,
-    out: torch.Tensor,
-    scale: float,
-    accumulate: bool,
-) -> None:
-    """Column sums of ``x`` (N, D) whose columns have unit stride, into ``out``; N, D >= 1."""
-    n, d = x.shape
-    block_n, block_d, col_blocks, rows_per_split, splits = _sum_rows_geometry(n, d, x.device)
-    final = splits == 1
-    dst = out if final else torch.empty(splits, d, dtype=torch.float32, device=x.device)
-    _sum_rows_kernel[(col_blocks, splits)](
-        x,
-        dst,
-        n,
-        d,
-        x.stride(0),
-        rows_per_split,
-        scale,
-        **_flags(square, final, accumulate),
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=_NUM_WARPS,
-    )
-    if not final:
-        _finish(dst, out, scale, accumulate)
-
-
-def _launch_channel_sum(
-    x: torch.Tensor,
-    square: bool,
-    out: torch.Tensor,
-    scale: float,
-    accumulate: bool,
-) -> None:
-    """Per-channel sums of ``x`` (B, C, L) with unit stride along L, into ``out``;
-    B, C, L >= 1."""
-    b, c, length = x.shape
-    block_c, block_l, chan_blocks, pos_blocks, n_items, items_per_split, splits = (
-        _channel_sum_geometry(b, c, length, x.device)
-    )
-    final = splits == 1
-    dst = out if final else torch.empty(splits, c, dtype=torch.float32, device=x.device)
-    _channel_sum_kernel[(chan_blocks, splits)](
-        x,
-        dst,
-        c,
-        length,
-        x.stride(0),
-        x.stride(1),
-        pos_blocks,
-        items_per_split,
-        n_items,
-        scale,
-        **_flags(square, final, accumulate),
-        BLOCK_C=block_c,
-        BLOCK_L=block_l,
-        num_warps=_NUM_WARPS,
-    )
-    if not final:
-        _finish(dst, out, scale, accumulate)
-
-
-def _unit_stride(x: torch.Tensor, dim: int) -> bool:
-    """Whether stepping along ``dim`` moves one element (always true for a size-1 dim)."""
-    return x.shape[dim] == 1 or x.stride(dim) == 1
+    Example:
+        >>> x = torch.ones(6, 4)
+        >>> out = torch.zeros(4)
+        >>> reduction_launch(x, square=True)(x, out, scale=0.5); out
+        tensor([3., 3., 3., 3.])
+    """
+    if view.numel() == 0:
+        return None
+    if view.dim() == 2:
+        n, d = view.shape
+        if d == 1 or view.stride(1) == 1:
+            return rows_launch(n, d, view.stride(0), view.device, square, tail)
+        if n == 1 or view.stride(0) == 1:
+            return channels_launch(1, d, n, 0, view.stride(1), view.device, square, tail)
+        return None
+    b, c, length = view.shape
+    sb, sc, sl = view.stride()
+    if sc == 1 or c == 1:
+        # rows of (B * L, C): each position's channels contiguous, positions evenly spaced
+        if length == 1:
+            return rows_launch(b, c, sb, view.device, square, tail)
+        if b == 1 or sb == length * sl:
+            return rows_launch(b * length, c, sl, view.device, square, tail)
+    if length == 1 or sl == 1:
+        return channels_launch(b, c, length, sb, sc, view.device, square, tail)
+    return None
 
 
 def _destination(
@@ -381,10 +415,21 @@ def _destination(
     return out
 
 
-def _empty_result(out: torch.Tensor, accumulate: bool) -> torch.Tensor:
-    """The result of a reduction over nothing: zeros (added: nothing changes)."""
-    if not accumulate:
-        out.zero_()
+def _reduce(
+    x: torch.Tensor, square: bool, out: torch.Tensor | None, scale: float, accumulate: bool
+) -> torch.Tensor:
+    """What :func:`sum_rows_triton` and :func:`channel_sum_triton` share: checks, the
+    launch for ``x`` (of a contiguous copy when none reads it in place), the empty case."""
+    out = _destination(out, x.shape[1], x.device, accumulate)
+    if x.numel() == 0:
+        if not accumulate:
+            out.zero_()  # the sums over nothing
+        return out
+    launch = reduction_launch(x, square)
+    if launch is None:
+        x = x.contiguous()
+        launch = reduction_launch(x, square)
+    launch(x, out, scale, accumulate)
     return out
 
 
@@ -401,8 +446,9 @@ def sum_rows_triton(
     ``x`` is read once in its own dtype. A transposed input (unit row stride) is summed
     as the channels of a (1, D, N) view instead of being copied. The epilogue runs in
     the kernel: the sums are multiplied by ``scale`` and written into ``out`` (or added to
-    it when ``accumulate``), so that a caller accumulating statistics needs no other
-    operation.
+    it when ``accumulate``). Each call works out its launch and workspace again; callers
+    that reduce the same geometry repeatedly keep a :class:`ReductionLaunch`
+    (:func:`reduction_launch`), which is a single kernel launch.
 
     Args:
         x: (N, D) input, float32, bfloat16 or float16.
@@ -418,17 +464,7 @@ def sum_rows_triton(
         >>> sum_rows_triton(torch.ones(4, 3), square=True)
         tensor([4., 4., 4.])
     """
-    n, d = x.shape
-    out = _destination(out, d, x.device, accumulate)
-    if n == 0 or d == 0:
-        return _empty_result(out, accumulate)
-    if _unit_stride(x, 1):
-        _launch_sum_rows(x, square, out, scale, accumulate)
-    elif _unit_stride(x, 0):
-        _launch_channel_sum(x.t().unsqueeze(0), square, out, scale, accumulate)
-    else:
-        _launch_sum_rows(x.contiguous(), square, out, scale, accumulate)
-    return out
+    return _reduce(x, square, out, scale, accumulate)
 
 
 def channel_sum_triton(
@@ -449,18 +485,7 @@ def channel_sum_triton(
         >>> channel_sum_triton(torch.ones(2, 3, 5), square=False)
         tensor([10., 10., 10.])
     """
-    b, c, length = x.shape
-    if length == 1 or (x.stride(1) == 1 and not _unit_stride(x, 2)):
-        # reshape stays a view for channels-last and L == 1; it copies only odd layouts
-        rows = x.transpose(1, 2).reshape(b * length, c)
-        return sum_rows_triton(rows, square, out=out, scale=scale, accumulate=accumulate)
-    out = _destination(out, c, x.device, accumulate)
-    if b == 0 or c == 0 or length == 0:
-        return _empty_result(out, accumulate)
-    if not _unit_stride(x, 2):
-        x = x.contiguous()
-    _launch_channel_sum(x, square, out, scale, accumulate)
-    return out
+    return _reduce(x, square, out, scale, accumulate)
 
 
 @triton.jit

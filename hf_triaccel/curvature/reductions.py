@@ -94,6 +94,60 @@ def reductions_for(impl: str | None, device: torch.device) -> tuple[Reduction, R
     return sum_rows_reference, channel_sum_reference
 
 
+Reducer = Callable[..., None]
+
+
+def reducer(
+    impl: str | None,
+    example: torch.Tensor,
+    view: Callable[[torch.Tensor], torch.Tensor],
+    square: bool,
+    tail: tuple[int, float] | None = None,
+) -> Reducer:
+    """One statistic's reduction, worked out once for inputs laid out as ``example``.
+
+    ``view`` maps such an input to the 2-D tensor whose rows are summed, or the 3-D one
+    summed over dims 0 and 2. The result is called as ``reduce(x, out, scale=1.0,
+    accumulate=False)`` with inputs of ``example``'s shape and strides: it writes the
+    scaled sums into the first entries of the float32 buffer ``out`` (or adds them) and,
+    with ``tail=(length, value)``, ``length`` more entries after them: zeros, ``value``
+    last. With Triton, whenever a kernel reads the view in place, that is one launch
+    with its own workspace (:class:`~hf_triaccel.kernels.stats.ReductionLaunch`) and no
+    other operation; otherwise the view is copied first.
+
+    Example:
+        >>> x = torch.ones(2, 3, 4)
+        >>> reduce = reducer("reference", x, lambda t: t, square=False, tail=(2, 6.0))
+        >>> out = torch.zeros(5)
+        >>> reduce(x, out, scale=0.5); out
+        tensor([4., 4., 4., 0., 6.])
+    """
+    shape = view(example).shape
+    n = shape[1] if len(shape) > 1 else 1
+    if resolve_impl(impl, example.device) == "triton" and example.numel():
+        from hf_triaccel.kernels.stats import reduction_launch
+
+        v = view(example)
+        launch = reduction_launch(v, square, tail)
+        if launch is not None and v.data_ptr() == example.data_ptr():
+            return launch  # reads each input where it is
+        launch = reduction_launch(v.contiguous(), square, tail)
+
+        def copied(x: torch.Tensor, out: torch.Tensor, scale=1.0, accumulate=False) -> None:
+            launch(view(x).contiguous(), out, scale, accumulate)
+
+        return copied
+    dims = 0 if len(shape) == 2 else (0, 2)
+
+    def reference(x: torch.Tensor, out: torch.Tensor, scale=1.0, accumulate=False) -> None:
+        _reference_sums(view(x.detach()), dims, square, out[:n], scale, accumulate)
+        if tail is not None:
+            out[n : n + tail[0]].zero_()
+            out[n + tail[0] - 1] = tail[1]
+
+    return reference
+
+
 def sum_rows(
     x: torch.Tensor,
     square: bool,

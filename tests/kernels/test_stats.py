@@ -80,11 +80,32 @@ def test_sum_rows_strided_layouts(square):
     check_sum_rows(base[:, ::2], square)  # no unit stride: copied first
 
 
-def test_finish_adds_many_splits():
-    part = randn(300, 200)
-    out = torch.empty(200)
-    stats._finish(part, out)  # several (splits, columns) tiles per program
-    torch.testing.assert_close(out, part.sum(0), rtol=1e-5, atol=1e-5)
+def test_split_sums_are_added_by_the_last_program(monkeypatch):
+    # 100 splits of one column block: the finishing program adds them in several tiles
+    monkeypatch.setattr(stats, "_INTERPRETED_PROGRAMS", 400)
+    x = randn(3200, 100)
+    launch = stats.reduction_launch(x, square=True)
+    assert launch.grid == (1, 100) and launch.meta["BLOCK_S"] < 100
+    out = torch.full((100,), 7.0)
+    launch(x, out, scale=0.5)
+    expected = sum_rows_reference(x, True, scale=0.5)
+    assert_sums_close(out, expected, expected, 1e-5)
+    # the tickets were reset: the next launch of the same workspace finishes again
+    launch(x, out, accumulate=True)
+    assert_sums_close(out, 3 * expected, 3 * expected, 1e-5)
+    assert not launch.tickets.any()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_launch_writes_the_tail(monkeypatch, split):
+    monkeypatch.setattr(stats, "_INTERPRETED_PROGRAMS", 8 if split else 1)
+    x = randn(4, 3, 50)
+    out = torch.full((3 + 6,), 7.0)
+    launch = stats.reduction_launch(x, square=False, tail=(6, 12.0))
+    assert launch.meta["SPLIT"] == split
+    launch(x, out, scale=2.0)
+    torch.testing.assert_close(out[:3], 2 * channel_sum_reference(x, False))
+    assert out[3:].tolist() == [0.0] * 5 + [12.0]
 
 
 def test_sum_rows_empty():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_triaccel.curvature.finish import Mean
-from hf_triaccel.curvature.reductions import Reduction, reductions_for
+from hf_triaccel.curvature.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.base import FisherRule, out_in_layout, per_entry_layout
 from hf_triaccel.curvature.rules.plans import ViewOf, as_view, channel_reduce, remember
 from hf_triaccel.curvature.rules.thirdparty import pads_same_dynamically
@@ -116,15 +116,12 @@ class ConvPlan:
     (C_in/groups, *kernel). ``count`` is the number of rows of the unfold, B L.
     """
 
-    reduce: Reduction
+    reduce: Reducer  # the per-position sums of x^2 of a (padded) input into per_position
     count: float
     pad: list[int] | None  # F.pad amounts, applied before the reduction
     pad_mode: str
     unsqueeze: bool  # an unbatched input that must be padded as a batch of one
-    row_shape: tuple[int, ...] | None  # view of a contiguous input; None: channels-last
-    batch: int
     per_position: torch.Tensor
-    channels_last: bool
     by_group: torch.Tensor | None  # channels-last with groups: (positions, groups, C/groups)
     group_sum: torch.Tensor | None  # ... and its sum over the groups
     by_channel: torch.Tensor  # the per-position sums as (C/groups, positions)
@@ -179,16 +176,20 @@ def conv_plan(module: nn.Module, x: torch.Tensor, impl: str | None) -> ConvPlan:
     else:
         selectors = [window_selector(*g, device=device) for g in geometry]
     bias = module.bias is not None
+    unsqueeze = unbatched and pad is not None
+    if pad is not None:  # the reduction reads the padded copy: work it out on one
+        x = F.pad(x.unsqueeze(0) if unsqueeze else x, pad, mode=pad_mode)
+    if channels_last:
+        view = lambda t: t.permute(0, 2, 3, 1).view(b, -1)  # noqa: E731
+    else:
+        view = lambda t: as_view(t, (b * groups, c_group * positions))  # noqa: E731
     return ConvPlan(
-        reduce=reductions_for(impl, device)[0],
+        reduce=reducer(impl, x, view, True),
         count=float(rows),
         pad=pad,
         pad_mode=pad_mode,
-        unsqueeze=unbatched and pad is not None,
-        row_shape=None if channels_last else (b * groups, c_group * positions),
-        batch=b,
+        unsqueeze=unsqueeze,
         per_position=per_position,
-        channels_last=channels_last,
         by_group=by_group,
         group_sum=group_sum,
         by_channel=by_channel,
@@ -255,11 +256,7 @@ class ConvRule(FisherRule):
         plan = cache.get(key) or remember(cache, key, conv_plan(module, x, impl))
         if plan.pad is not None:
             x = F.pad(x.unsqueeze(0) if plan.unsqueeze else x, plan.pad, mode=plan.pad_mode)
-        if plan.channels_last:
-            rows = x.permute(0, 2, 3, 1).view(plan.batch, -1)
-        else:
-            rows = as_view(x, plan.row_shape)
-        plan.reduce(rows, True, out=plan.per_position)
+        plan.reduce(x, plan.per_position)
         gather_taps(plan, plan.head(out))
         return plan.count
 

@@ -35,7 +35,7 @@ class LinearRule(FisherRule):
         return Mean(last=1.0 if module.bias is not None else None)
 
     def a_write(self, module, x, out, impl, cache):
-        return sum_square_rows(x, out, False, impl, cache, "a", module.bias is not None)
+        return sum_square_rows(x, out, False, impl, cache, "a")
 
     def g_write(self, module, grad, out, accumulate, impl, cache):
         return sum_square_rows(grad, out, accumulate, impl, cache, "g")

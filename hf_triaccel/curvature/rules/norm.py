@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hf_triaccel.curvature.finish import NormActivation, SquareMean, inverse
-from hf_triaccel.curvature.reductions import Reduction, reductions_for
+from hf_triaccel.curvature.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.base import FisherRule, per_entry_layout
 from hf_triaccel.curvature.rules.plans import (
     RowsPlan,
@@ -35,47 +35,37 @@ POSITIONS = 8192
 
 @dataclass
 class NormPlan:
-    """The activation sums of a normalisation layer for one input shape."""
+    """The activation sums of a normalisation layer for one input shape and layout."""
 
-    reduce: Reduction
-    shape: tuple[int, int, int]
+    reduce: Reducer  # writes the sums, then (unless wrapped) zeros and the size entry
     scale: float  # 1 / R^2
-    head: ViewOf  # where the reduction writes: out[:C], or the scratch when C > positions
-    wrapped: torch.Tensor | None  # the scratch as (-1, positions), when C > positions
-    sums: ViewOf  # out[:positions]
-    tail: ViewOf  # what follows the written sums: zeros, then the size entry
-    tail_values: torch.Tensor
     count: float
+    # when C > positions: the reduction's scratch, its (-1, positions) view and what
+    # follows the wrapped sums in ``out`` (the size entry)
+    wrapped: torch.Tensor | None = None
+    sums: ViewOf | None = None
+    tail: ViewOf | None = None
+    tail_values: torch.Tensor | None = None
 
 
 def norm_plan(x: torch.Tensor, impl: str | None, positions: int) -> NormPlan:
-    """The plan of :func:`norm_a_write` for inputs shaped as ``x``."""
+    """The plan of :func:`norm_a_write` for inputs shaped and laid out as ``x``."""
     shape = (1, *x.shape) if x.dim() == 1 else tuple(x.shape)
     b, c = shape[:2]
     length = math.prod(shape[2:])
-    device = x.device
-    wrapped = None
+    view = lambda t: as_view(t, (b, c, length))  # noqa: E731
+    scale, size = inverse(float(length) ** 2), float(b * c)  # size: dim 1's, summed
     if c <= positions:
-        head = ViewOf(lambda out: out[:c])
-        tail = ViewOf(lambda out: out[c:])
-        tail_values = torch.zeros(positions - c + 1, device=device)
-    else:
-        scratch = torch.zeros(-(-c // positions) * positions, device=device)
-        head = ViewOf(lambda out: scratch[:c])
-        wrapped = scratch.view(-1, positions)
-        tail = ViewOf(lambda out: out[positions:])
-        tail_values = torch.zeros(1, device=device)
-    tail_values[-1] = float(b * c)  # the samples' dim-1 sizes, summed
+        reduce = reducer(impl, x, view, False, tail=(positions - c + 1, size))
+        return NormPlan(reduce, scale, float(b))
     return NormPlan(
-        reduce=reductions_for(impl, device)[1],
-        shape=(b, c, length),
-        scale=inverse(float(length) ** 2),
-        head=head,
-        wrapped=wrapped,
+        reducer(impl, x, view, False),
+        scale,
+        float(b),
+        wrapped=torch.zeros(-(-c // positions) * positions, device=x.device),
         sums=ViewOf(lambda out: out[:positions]),
-        tail=tail,
-        tail_values=tail_values,
-        count=float(b),
+        tail=ViewOf(lambda out: out[positions:]),
+        tail_values=torch.full((1,), size, device=x.device),
     )
 
 
@@ -96,11 +86,13 @@ def norm_a_write(
         >>> norm_a_write(torch.ones(2, 3, 4), out, None, {}, positions=4), out  # 8 / 16
         (2.0, tensor([0.5000, 0.5000, 0.5000, 0.0000, 6.0000]))
     """
-    key = ("a", x.shape)
+    key = ("a", x.shape, x.stride())
     plan = cache.get(key) or remember(cache, key, norm_plan(x, impl, positions))
-    plan.reduce(as_view(x, plan.shape), False, out=plan.head(out), scale=plan.scale)
-    if plan.wrapped is not None:
-        torch.sum(plan.wrapped, 0, out=plan.sums(out))
+    if plan.wrapped is None:
+        plan.reduce(x, out, plan.scale)
+        return plan.count
+    plan.reduce(x, plan.wrapped, plan.scale)
+    torch.sum(plan.wrapped.view(-1, positions), 0, out=plan.sums(out))
     plan.tail(out).copy_(plan.tail_values)
     return plan.count
 
@@ -210,11 +202,11 @@ class LastDimNormRule(NormRule):
         return max(affine_numel(module), POSITIONS)
 
     def g_write(self, module, grad, out, accumulate, impl, cache):
-        key = ("g", grad.shape)
+        key = ("g", grad.shape, grad.stride())
         plan = cache.get(key) or remember(cache, key, self._g_plan(module, grad, impl))
         if plan is _PER_CHANNEL:
             return channel_reduce(grad, 1, out, accumulate, impl, cache, False)
-        plan.reduce(as_view(grad, (plan.rows, plan.d)), False, out=out, accumulate=accumulate)
+        plan.reduce(grad, out, 1.0, accumulate)
         return plan.count
 
     @staticmethod
@@ -228,6 +220,7 @@ class LastDimNormRule(NormRule):
                 f"{tuple(grad.shape)}, whose trailing dims do not match"
             )
         n = math.prod(ns)
+        rows = grad.numel() // n if n else 0
         batch = grad.shape[0] if grad.dim() > len(ns) else 1
-        reduce, _ = reductions_for(impl, grad.device)
-        return RowsPlan(reduce, grad.numel() // n if n else 0, n, float(batch))
+        view = lambda t: as_view(t, (rows, n))  # noqa: E731
+        return RowsPlan(reducer(impl, grad, view, False), float(batch))

@@ -2,9 +2,11 @@
 
 The statistics run on every hooked layer of every refresh step and are bound by host
 time, so each built-in rule keeps, in the cache the collector holds for the module, one
-plan per input shape: the resolved reduction, the reshapes, counts and scales, scratch
-buffers and views of the caller's buffer. A plan is the one cache of its statistic; once a layer
-has seen its input shape, a statistic costs its one or two kernel launches.
+plan per input shape and layout: the reduction worked out for it (with Triton, a kernel
+launch with its workspace: :func:`~hf_triaccel.curvature.reductions.reducer`), counts and
+scales, scratch buffers and views of the caller's buffer. A plan is the one cache of its
+statistic; once a layer has seen its input's shape and strides, a statistic costs its one
+kernel launch (two for a convolution's activations).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hf_triaccel.curvature.reductions import Reduction, reductions_for
+from hf_triaccel.curvature.reductions import Reducer, reducer
 
 # Input shapes a module keeps plans for: an input shape that keeps changing (multi-scale
 # images, dynamic sequence lengths) must not pile up buffers; past this the oldest goes.
@@ -74,19 +76,16 @@ def remember(cache: dict[Any, Any], key: Any, plan: Any) -> Any:
 class RowsPlan:
     """A statistic that is a sum over rows of the input viewed as (rows, d)."""
 
-    reduce: Reduction
-    rows: int
-    d: int
+    reduce: Reducer
     count: float  # what the sums run over, returned to the caller
-    head: ViewOf | None = None  # the part of ``out`` the sums go to, when not all of it
 
 
-def rows_plan(t: torch.Tensor, impl: str | None, bias: bool) -> RowsPlan:
-    """The plan of :func:`sum_square_rows` for inputs shaped as ``t``."""
+def rows_plan(t: torch.Tensor, impl: str | None, square: bool) -> RowsPlan:
+    """The plan of :func:`sum_square_rows` for inputs shaped and laid out as ``t``."""
     d = t.shape[-1] if t.dim() else 1
     rows = t.numel() // d if d else 0
-    head = ViewOf(lambda out: out[:d]) if bias else None
-    return RowsPlan(reductions_for(impl, t.device)[0], rows, d, float(rows), head)
+    reduce = reducer(impl, t, lambda x: as_view(x, (rows, d)), square)
+    return RowsPlan(reduce, float(rows))
 
 
 def sum_square_rows(
@@ -96,43 +95,30 @@ def sum_square_rows(
     impl: str | None,
     cache: dict[Any, Any],
     key: str,
-    bias: bool = False,
 ) -> float:
-    """Sum over rows (every dim but the last) of ``t**2`` into ``out`` (its first
-    ``t.shape[-1]`` entries when ``bias``); returns the number of rows.
+    """Sum over rows (every dim but the last) of ``t**2`` into the first ``t.shape[-1]``
+    entries of ``out``; returns the number of rows.
 
     Example:
         >>> out = torch.zeros(3)
-        >>> sum_square_rows(torch.full((2, 2), 3.0), out, False, None, {}, "a", bias=True)
+        >>> sum_square_rows(torch.full((2, 2), 3.0), out, False, None, {}, "a")
         2.0
         >>> out
         tensor([18., 18.,  0.])
     """
-    plan_key = (key, t.shape)
-    plan = cache.get(plan_key) or remember(cache, plan_key, rows_plan(t, impl, bias))
-    dst = out if plan.head is None else plan.head(out)
-    plan.reduce(as_view(t, (plan.rows, plan.d)), True, out=dst, accumulate=accumulate)
+    plan_key = (key, t.shape, t.stride())
+    plan = cache.get(plan_key) or remember(cache, plan_key, rows_plan(t, impl, True))
+    plan.reduce(t, out, 1.0, accumulate)
     return plan.count
 
 
-@dataclass
-class ChannelPlan:
-    """A per-channel statistic of an input viewed as (B, C, L)."""
-
-    reduce: Reduction
-    shape: tuple[int, int, int]
-    count: float
-
-
-def channel_plan(
-    t: torch.Tensor, unbatched_dim: int, impl: str | None, square: bool
-) -> ChannelPlan:
-    """The plan of :func:`channel_reduce` for inputs shaped as ``t``."""
+def channel_plan(t: torch.Tensor, unbatched_dim: int, impl: str | None, square: bool) -> RowsPlan:
+    """The plan of :func:`channel_reduce` for inputs shaped and laid out as ``t``."""
     shape = (1, *t.shape) if t.dim() == unbatched_dim else tuple(t.shape)
     b, c = shape[:2]
     length = math.prod(shape[2:])
-    count = float(b * length if square else b)
-    return ChannelPlan(reductions_for(impl, t.device)[1], (b, c, length), count)
+    reduce = reducer(impl, t, lambda x: as_view(x, (b, c, length)), square)
+    return RowsPlan(reduce, float(b * length if square else b))
 
 
 def channel_reduce(
@@ -154,7 +140,7 @@ def channel_reduce(
         >>> channel_reduce(torch.ones(2, 3, 4), 2, out, False, None, {}, square=False), out
         (2.0, tensor([8., 8., 8.]))
     """
-    key = ("channel", t.shape)
+    key = ("channel", t.shape, t.stride())
     plan = cache.get(key) or remember(cache, key, channel_plan(t, unbatched_dim, impl, square))
-    plan.reduce(as_view(t, plan.shape), square, out=out, accumulate=accumulate)
+    plan.reduce(t, out, 1.0, accumulate)
     return plan.count
