@@ -24,6 +24,7 @@ it.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -275,50 +276,118 @@ def _split(n_units: int, n_blocks: int, device: torch.device) -> tuple[int, int]
     return per_split, _cdiv(n_units, per_split)
 
 
+@functools.cache
+def _direct_launch() -> tuple | None:
+    """What launching a compiled kernel directly needs, ``(knobs, driver)``, or ``None``
+    where it is not known to work: under the interpreter, or a Triton older than 3.3
+    (which passed its launcher only the non-constexpr arguments)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    try:
+        from triton import knobs
+        from triton.runtime.driver import driver
+    except ImportError:
+        return None
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+    return (knobs, driver) if version >= (3, 3) else None
+
+
 class ReductionLaunch:
     """One reduction worked out for one input geometry: its kernel, grid and size
-    arguments, and, when the work is split over programs, a workspace of its own (the
-    partial sums and one ticket per output block) that every later launch reuses.
+    arguments, and, when the work is split over programs, one ticket per output block
+    that every later launch reuses.
 
     Calling it with a tensor of that geometry (the one whose strides it was made from, or
     any tensor starting at the same element of a storage laid out alike) is one kernel
-    launch and nothing else: no view, allocation or check. Launches of one object must
-    run in order (one stream), as they share the workspace.
+    launch and nothing else: no view or check, and no allocation but the partial sums of
+    a split launch, which go back to PyTorch's caching allocator as soon as it is queued
+    (kept, the partials of every layer's statistics would add up to tens of MB). Launches
+    of one object must run in order (one stream), as they share the tickets.
+
+    A statistic's launch costs Triton's argument binding and specialisation more host
+    time than the kernel takes on the device, so after the first launch of each variant
+    (accumulating or not, the input's dtype, both pointers' 16-byte alignment: what the
+    compiled code was specialised on) the compiled kernel is launched directly, with the
+    arguments Triton would pass it.
 
     With ``tail=(length, value)``, the launch also writes ``out[n : n + length]``: zeros,
     then ``value`` last (where a normalisation layer's sums keep their size entry).
     """
 
-    __slots__ = ("kernel", "grid", "args", "meta", "part", "tickets")
+    __slots__ = ("kernel", "grid", "kwargs", "part", "tickets", "compiled", "template", "at")
 
-    def __init__(self, kernel, grid, args, meta, splits, n, device, tail):
+    def __init__(self, kernel, grid, sizes, meta, splits, n, device, tail):
         self.kernel = kernel
         self.grid = grid
-        self.args = (*args, splits)
-        self.meta = dict(meta, SPLIT=splits > 1, TAIL=tail is not None)
-        self.meta["BLOCK_S"] = min(_pow2(splits), max(1, _TILE // meta[_BLOCK_KEY[kernel]]))
-        self.part = self.tickets = None
+        block = meta[_BLOCK_KEY[kernel]]
+        self.kwargs = dict(
+            sizes,
+            n_splits=splits,
+            tail_len=0 if tail is None else int(tail[0]),
+            tail_value=0.0 if tail is None else float(tail[1]),
+            SPLIT=splits > 1,
+            TAIL=tail is not None,
+            BLOCK_S=min(_pow2(splits), max(1, _TILE // block)),
+            **meta,
+        )
+        # a split launch's partials are allocated per launch, from their shape kept here;
+        # unsplit, the kernel never touches partials or tickets: one entry each stands in
+        self.part: torch.Tensor | tuple[int] = torch.empty(1, device=device)
         if splits > 1:
-            self.part = torch.empty(splits, n, dtype=torch.float32, device=device)
-            self.tickets = torch.zeros(grid[0], dtype=torch.int32, device=device)
-        self.args += (0, 0.0) if tail is None else (int(tail[0]), float(tail[1]))
+            self.part = (splits * n,)
+        self.tickets = torch.zeros(grid[0] if splits > 1 else 1, dtype=torch.int32, device=device)
+        self.compiled: dict[tuple, object] = {}
+        self.template: list | None = None  # every argument in order, for direct launches
+        if _direct_launch() is not None and device.type == "cuda":
+            values = {"ticket_ptr": self.tickets, **self.kwargs}
+            self.template = [values.get(name) for name in kernel.arg_names]
+            self.at = (kernel.arg_names.index("scale"), kernel.arg_names.index("ACCUMULATE"))
 
     def __call__(
         self, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False
     ) -> None:
-        part = out if self.part is None else self.part
-        tickets = out if self.tickets is None else self.tickets
-        n_args = len(self.args) - 2
-        self.kernel[self.grid](
+        scale = float(scale)  # an int 1 would be specialised as a constant
+        part = self.part
+        if not isinstance(part, torch.Tensor):
+            part = torch.empty(part, device=out.device)
+        if self.template is not None:
+            key = (accumulate, x.dtype, x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+            compiled = self.compiled.get(key)
+            if compiled is not None:
+                self._direct(compiled, x, out, part, scale, accumulate)
+                return
+        compiled = self.kernel[self.grid](
             x,
             out,
             part,
-            tickets,
-            *self.args[:n_args],
-            scale,
-            *self.args[n_args:],
+            self.tickets,
+            scale=scale,
             ACCUMULATE=accumulate,
-            **self.meta,
+            **self.kwargs,
+        )
+        if self.template is not None:
+            self.compiled[key] = compiled.result() if hasattr(compiled, "result") else compiled
+
+    def _direct(self, compiled, x, out, part, scale, accumulate) -> None:
+        """Launches ``compiled`` as ``JITFunction.run`` would, without binding again."""
+        knobs, driver = _direct_launch()
+        args = self.template.copy()
+        at_scale, at_accumulate = self.at
+        args[0], args[1], args[2] = x, out, part
+        args[at_scale], args[at_accumulate] = scale, accumulate
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        grid = self.grid
+        compiled.run(
+            grid[0],
+            grid[1],
+            1,
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            compiled.launch_metadata(grid, stream, *args),
+            knobs.runtime.launch_enter_hook,
+            knobs.runtime.launch_exit_hook,
+            *args,
         )
 
 
@@ -334,7 +403,8 @@ def rows_launch(
     block_n = min(max(1, _TILE // block_d), _pow2(n))
     col_blocks = _cdiv(d, block_d)
     blocks_per_split, splits = _split(_cdiv(n, block_n), col_blocks, device)
-    args = (n, d, stride_row, blocks_per_split * block_n)
+    args = {"n_rows": n, "n_cols": d, "stride_row": stride_row}
+    args["rows_per_split"] = blocks_per_split * block_n
     meta = {"SQUARE": square, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": _NUM_WARPS}
     return ReductionLaunch(
         _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail
@@ -359,7 +429,8 @@ def channels_launch(
     pos_blocks = _cdiv(length, block_l)
     n_items = b * pos_blocks
     items_per_split, splits = _split(n_items, chan_blocks, device)
-    args = (c, length, stride_b, stride_c, pos_blocks, items_per_split, n_items)
+    args = {"n_chan": c, "n_pos": length, "stride_b": stride_b, "stride_c": stride_c}
+    args.update(n_pos_blocks=pos_blocks, items_per_split=items_per_split, n_items=n_items)
     meta = {"SQUARE": square, "BLOCK_C": block_c, "BLOCK_L": block_l, "num_warps": _NUM_WARPS}
     return ReductionLaunch(
         _channel_sum_kernel, (chan_blocks, splits), args, meta, splits, c, device, tail

@@ -94,7 +94,7 @@ class FinishPlan:
     ready layers, as it keeps the fold): the views and the groups are worked out here.
     Calling it with the step's counts, one per statistic, finishes every statistic: the
     squares (one launch), every scaling by ``scale / n**power`` (one launch), the norm
-    layers' sums of squares (one product each) and the constant entries.
+    layers' sums of squares (one launch for all) and the constant entries.
 
     Args:
         items: ``(finish, sums, out)`` per statistic: ``out`` is ``sums`` itself when the
@@ -114,7 +114,8 @@ class FinishPlan:
         self.terms: list[tuple[int, float, int]] = []
         self.ends: list[torch.Tensor] = []
         self.constants: list[float] = []
-        self.products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # the norm layers' sums whose sum of squares goes to an entry of their statistic
+        self.square_sums: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for i, (finish, sums, out) in enumerate(items):
             if finish.in_place and out is not sums:
@@ -131,7 +132,8 @@ class FinishPlan:
                 k = finish.positions
                 self._scale(i, sums[:k], 1.0, 1)
                 self._scale(i, sums[k:], 1.0, 3)
-                self.products.append((sums[:k].view(1, k), sums[:k].view(k, 1), out[:1].view(1, 1)))
+                self.square_sums[0].append(sums[:k])
+                self.square_sums[1].append(out[0])
                 self.copies[0].append(out[1:])
                 self.copies[1].append(sums[k:])
             else:
@@ -164,9 +166,11 @@ class FinishPlan:
             torch._foreach_mul_(self.squares, self.squares)
         if self.scaled:
             torch._foreach_mul_(self.scaled, self.multipliers(counts))
-        for row, column, out in self.products:
-            # out= keeps the product in float32 under autocast, which leaves out= alone
-            torch.mm(row, column, out=out)
+        if self.square_sums[0]:
+            # one launch for all layers, rather than a product each
+            norms = torch._foreach_norm(self.square_sums[0])
+            torch._foreach_mul_(norms, norms)
+            torch._foreach_copy_(self.square_sums[1], norms)
         if self.copies[0]:
             torch._foreach_copy_(*self.copies)
         if self.ends:

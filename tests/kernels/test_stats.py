@@ -85,7 +85,7 @@ def test_split_sums_are_added_by_the_last_program(monkeypatch):
     monkeypatch.setattr(stats, "_INTERPRETED_PROGRAMS", 400)
     x = randn(3200, 100)
     launch = stats.reduction_launch(x, square=True)
-    assert launch.grid == (1, 100) and launch.meta["BLOCK_S"] < 100
+    assert launch.grid == (1, 100) and launch.kwargs["BLOCK_S"] < 100
     out = torch.full((100,), 7.0)
     launch(x, out, scale=0.5)
     expected = sum_rows_reference(x, True, scale=0.5)
@@ -102,7 +102,7 @@ def test_launch_writes_the_tail(monkeypatch, split):
     x = randn(4, 3, 50)
     out = torch.full((3 + 6,), 7.0)
     launch = stats.reduction_launch(x, square=False, tail=(6, 12.0))
-    assert launch.meta["SPLIT"] == split
+    assert launch.kwargs["SPLIT"] == split
     launch(x, out, scale=2.0)
     torch.testing.assert_close(out[:3], 2 * channel_sum_reference(x, False))
     assert out[3:].tolist() == [0.0] * 5 + [12.0]
@@ -400,3 +400,28 @@ def test_gpu_fold(mode, normalise, device):
             fold_reference(e, w, u, mode, 0.95, normalise)
     for got, ref in zip(emas + useds, ref_emas + ref_useds, strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_repeated_launches_match_the_reference(device):
+    """A kept launch (as the statistics hooks keep them) launched again and again: after
+    each variant's first launch Triton's compiled kernel is launched directly."""
+    base = randn(512 * 64 + 1, 97, dtype=torch.bfloat16, device=device)
+    n = 512 * 64
+    x = base[:n, :96]  # row stride 97: the same geometry as the shifted view
+    shifted = base[1:, :96]  # starts 194 bytes in: a pointer not 16-byte aligned
+    as_float = base.float()[:n, :96]
+    launch = stats.reduction_launch(x, square=True)
+    assert launch.kwargs["SPLIT"]
+    out = torch.zeros(96, device=device)
+    expected = torch.zeros(96, device=device)
+    calls = [(x, False), (x, False), (x, True), (shifted, True), (shifted, True)]
+    calls += [(as_float, True), (as_float, True), (x, False)]
+    for t, accumulate in calls:
+        launch(t, out, 0.5, accumulate)
+        sums = sum_rows_reference(t, True, scale=0.5)
+        expected = expected + sums if accumulate else sums
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=0.0)
+    if stats._direct_launch() is not None:
+        assert len(launch.compiled) == 4  # written or added, bf16 aligned or not, float32

@@ -14,7 +14,7 @@ from torch import nn
 from hf_triaccel.curvature.finish import Mean
 from hf_triaccel.curvature.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.base import FisherRule, out_in_layout, per_entry_layout
-from hf_triaccel.curvature.rules.plans import ViewOf, as_view, channel_reduce, remember
+from hf_triaccel.curvature.rules.plans import RowsPlan, ViewOf, as_view, channel_reduce, remember
 from hf_triaccel.curvature.rules.thirdparty import pads_same_dynamically
 
 # Largest tap-by-position selector formed as one matrix (4 MiB of float32: a 3x3 kernel
@@ -131,8 +131,11 @@ class ConvPlan:
     head: ViewOf
 
 
-def conv_plan(module: nn.Module, x: torch.Tensor, impl: str | None) -> ConvPlan:
-    """The plan of ``module``'s activation statistic for inputs shaped and laid out as ``x``."""
+def conv_plan(module: nn.Module, x: torch.Tensor, impl: str | None) -> ConvPlan | RowsPlan:
+    """The plan of ``module``'s activation statistic for inputs shaped and laid out as
+    ``x``: a :class:`ConvPlan`, or for a pointwise conv (1x1 kernel, stride 1, no padding,
+    one group), whose unfold is the input itself, the per-channel sums of x^2 straight
+    into the statistic."""
     nd = len(module.kernel_size)
     unbatched = x.dim() == nd + 1
     shape = (1, *x.shape) if unbatched else tuple(x.shape)
@@ -152,9 +155,12 @@ def conv_plan(module: nn.Module, x: torch.Tensor, impl: str | None) -> ConvPlan:
     groups = module.groups
     c_group = c // groups
     positions = math.prod(spatial)
+    rows = b * math.prod(g[-1] for g in geometry)
+    if pad is None and groups == 1 and all(g[1:3] == (1, 1) and g[4] == 0 for g in geometry):
+        view = lambda t: as_view(t, (b, c, positions))  # noqa: E731
+        return RowsPlan(reducer(impl, x, view, True), float(rows))
     kernel = math.prod(module.kernel_size)
     patch = c_group * kernel
-    rows = b * math.prod(g[-1] for g in geometry)
     channels_last = pad is None and nd == 2 and not unbatched and not x.is_contiguous()
     channels_last = channels_last and x.is_contiguous(memory_format=torch.channels_last)
     device = x.device
@@ -254,6 +260,9 @@ class ConvRule(FisherRule):
     def a_write(self, module, x, out, impl, cache):
         key = ("a", x.shape, x.stride())
         plan = cache.get(key) or remember(cache, key, conv_plan(module, x, impl))
+        if isinstance(plan, RowsPlan):
+            plan.reduce(x, out)
+            return plan.count
         if plan.pad is not None:
             x = F.pad(x.unsqueeze(0) if plan.unsqueeze else x, plan.pad, mode=plan.pad_mode)
         plan.reduce(x, plan.per_position)
