@@ -15,9 +15,10 @@ gets the slice of its factors that its local rows read
 A refresh step runs the hooks of every layer, so they are kept to the device work
 itself: each writes its sums straight into a preallocated buffer of the layer
 (:class:`~hf_triaccel.curvature.layer.LayerFactors`) through its rule
-(:meth:`FisherRule.a_write` / :meth:`FisherRule.g_write`: for the built-in rules, one or
-two kernel launches and, for some layers, one more operation), with no allocation, host
-synchronisation or per-call shape arithmetic once a layer has seen its input shape.
+(:meth:`FisherRule.a_write` / :meth:`FisherRule.g_write`: for the built-in rules, one
+kernel launch, and a matrix product for a convolution's activations), with no host
+synchronisation or per-call shape arithmetic once a layer has seen its input's shape and
+strides.
 Everything else is left to :meth:`FisherCollector.fold`, once per refresh, in batched
 operations over all layers: merging the micro-batches' sums, adding them over processes,
 the finish that makes statistics of them (means, squares of sums, constant entries:

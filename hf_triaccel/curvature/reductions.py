@@ -7,9 +7,10 @@ Both are selected through :func:`hf_triaccel.dispatch.resolve_impl`.
 
 Both take the same epilogue: the sums may be scaled (``scale``) and written into, or added
 to (``accumulate``), a caller's float32 buffer (``out``). The Triton versions do this
-inside the kernel, so that a statistic hook accumulating into a preallocated buffer costs
-one or two launches and nothing else. (What is not linear in the samples, such as the
-square of a sum, waits for the step's sums: :mod:`hf_triaccel.curvature.finish`.)
+inside the kernel, so that a statistic hook accumulating into a preallocated buffer,
+through a :func:`reducer` worked out once for its input's layout, costs one launch and
+nothing else. (What is not linear in the samples, such as the square of a sum, waits for
+the step's sums: :mod:`hf_triaccel.curvature.finish`.)
 """
 
 from __future__ import annotations
