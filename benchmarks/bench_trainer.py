@@ -17,7 +17,7 @@ Usage:
         --variants trainer_adafisherw --data /path/to/cifar10 --out "$OUT/gpu2"
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import harness
@@ -51,9 +51,12 @@ def compiled(name: str) -> bool:
     return name.endswith("_compiled")
 
 
-def run_loop(name: str, data: ImageTensors, device: torch.device, args: Any) -> dict[str, Any]:
+def run_loop(
+    name: str, data: ImageTensors, device: torch.device, args: Any, record: Callable | None = None
+) -> dict[str, Any]:
     """The hand-written AdamW(fused) loop, in ``--layout``, compiled for a ``_compiled``
-    variant; returns its clock and compilation time."""
+    variant; returns its clock and compilation time. ``record`` is the clock's (called at
+    each step end)."""
     lr, weight_decay = harness.HYPERPARAMETERS[VARIANTS[name][2]]
     model = harness.build_model(MODEL, args.size, num_classes=data.num_classes).to(device)
     channels_last = args.layout == "channels_last" and to_channels_last(model)
@@ -65,7 +68,7 @@ def run_loop(name: str, data: ImageTensors, device: torch.device, args: Any) -> 
     loader = harness.image_batches(
         data, args.batch_size, seed=args.seed, channels_last=channels_last
     )
-    clock = harness.StepClock(device, warmup=args.warmup, steps=args.steps)
+    clock = harness.StepClock(device, warmup=args.warmup, steps=args.steps, record=record)
     loss_sum = torch.zeros((), device=device)
 
     def forward_backward(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -98,11 +101,14 @@ def run_loop(name: str, data: ImageTensors, device: torch.device, args: Any) -> 
     return {"clock": clock, "global_step": step, "compile_seconds": seconds}
 
 
-def run_trainer(name: str, data: ImageTensors, device: torch.device, args: Any) -> dict[str, Any]:
-    """``TriAccelTrainer`` on the device-resident data; returns its clock."""
+def run_trainer(
+    name: str, data: ImageTensors, device: torch.device, args: Any, record: Callable | None = None
+) -> dict[str, Any]:
+    """``TriAccelTrainer`` on the device-resident data; returns its clock. ``record`` is
+    the clock's (called at each step end)."""
     lr, weight_decay = harness.HYPERPARAMETERS[VARIANTS[name][2]]
     model = harness.build_model(MODEL, args.size, num_classes=data.num_classes)
-    clock = harness.StepClock(device, warmup=args.warmup, steps=args.steps)
+    clock = harness.StepClock(device, warmup=args.warmup, steps=args.steps, record=record)
     kwargs = dict(optim=VARIANTS[name][1], learning_rate=lr, weight_decay=weight_decay)
     kwargs.update(lr_scheduler_type=LR_SCHEDULE, seed=args.seed, bf16=args.bf16)
     kwargs.update(per_device_train_batch_size=args.batch_size, triaccel_impl=args.impl)
@@ -175,12 +181,10 @@ OPTIONS = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark; process 0 writes bench_trainer.json. Returns 1 on a failure."""
-    parser = harness.base_parser(__doc__.split("\n\n")[0], OPTIONS, impls=False)
-    parser.add_argument(
-        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {list(VARIANTS)}"
-    )
+def parser_for(description: str, options: dict[str, tuple], variants: Sequence[str]):
+    """The arguments this benchmark and ``profile_trainer.py`` share."""
+    parser = harness.base_parser(description, options, impls=False)
+    parser.add_argument("--variants", default=",".join(variants), help=f"of {list(VARIANTS)}")
     parser.add_argument(
         "--layout", choices=("channels_last", "nchw"), default="channels_last", help="all variants"
     )
@@ -190,6 +194,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping; 0: off")
     parser.add_argument("--impl", choices=("triton", "foreach", "reference"))
     parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def parse_and_load(parser, argv: Sequence[str] | None) -> tuple[Any, ImageTensors, int]:
+    """The arguments, checked; this process's device (``args.device``; under accelerate
+    launch or torchrun, the process group is set up); the training images on it, a whole
+    number of global batches. Returns ``(args, data, world size)``."""
     args = harness.parse(parser, argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(args.variants) - set(VARIANTS) or not args.variants:
@@ -211,6 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if keep == 0:
         raise ValueError(f"{len(data)} training images hold no global batch")
     data = ImageTensors(data.images[:keep], data.labels[:keep], data.class_names).to(device)
+    return args, data, world
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark; process 0 writes bench_trainer.json. Returns 1 on a failure."""
+    parser = parser_for(__doc__.split("\n\n")[0], OPTIONS, DEFAULT_VARIANTS)
+    args, data, world = parse_and_load(parser, argv)
+    device, main_process = args.device, PartialState().is_main_process
     rows = [measure(name, data, device, world, args) for name in args.variants]
     loops = [r for r in rows if r["runner"] == "loop" and r["samples_per_second"]]
     fastest = max(loops, key=lambda r: r["samples_per_second"], default=None)

@@ -625,3 +625,27 @@ def test_profile_refresh_smoke(bench, tmp_path):
     table = (tmp_path / "profile_refresh.md").read_text()
     assert "What a refresh adds" in table and "|   a: ConvRule |" in table
     assert (tmp_path / "profile_refresh_resnet18_cifar.trace.json").stat().st_size > 0
+
+
+def test_profile_trainer_smoke(bench, tmp_path):
+    labelled = bench("profile_trainer").LABELLED
+    before = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in labelled]
+    steps = 3
+    payload = _run(bench, "profile_trainer", tmp_path, "--steps", str(steps))
+    # the labels are gone after profiling: what was defined is back, what was inherited is
+    # inherited again
+    assert all(owner.__dict__.get(attr) is method for owner, attr, method in before)
+    results = payload["results"]
+    assert list(results) == list(bench("profile_trainer").VARIANTS)
+    loop, trainer = results["loop_adamw_fused"], results["trainer_adamw_fused"]
+    # both runners: one backward, clipping, optimizer step and scheduler step a step
+    for result in (loop, trainer):
+        for label in ("backward", "clip_grad_norm", "optimizer step", "scheduler"):
+            assert result["ranges"][label][0] == 1, label
+        assert result["wall_ms"] > 0 and result["aten_ops"] > 0
+    # what only the Trainer does
+    assert not set(loop["ranges"]) & {"training_step", "get_batch_samples", "callbacks"}
+    assert trainer["ranges"]["training_step"][0] == trainer["ranges"]["compute_loss"][0] == 1
+    assert trainer["ranges"]["callbacks"][0] >= 2  # at least on_step_begin and on_step_end
+    table = (tmp_path / "profile_trainer.md").read_text()
+    assert "What the Trainer adds" in table and "| get_batch_samples |" in table
