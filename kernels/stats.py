@@ -74,10 +74,14 @@ def _load_term(ptrs, mask, SQUARE: tl.constexpr):
 
 
 @triton.jit
-def _write_tail(out_ptr, start, tail_len, tail_value, BLOCK: tl.constexpr):
-    """``out[start : start + tail_len]``: zeros, then ``tail_value`` in its last entry."""
-    for s in range(0, tail_len, BLOCK):
-        offs = s + tl.arange(0, BLOCK)  # (BLOCK,)
+def _write_tail(out_ptr, start, tail_len, tail_value):
+    """``out[start : start + tail_len]``: zeros, then ``tail_value`` in its last entry.
+
+    Its own block width: a norm layer's tail runs to thousands of entries, and the
+    reduction's output blocks can be 8 wide.
+    """
+    for s in range(0, tail_len, 1024):
+        offs = s + tl.arange(0, 1024)  # (1024,)
         values = tl.where(offs == tail_len - 1, tail_value, 0.0)
         tl.store(out_ptr + start + offs, values, mask=offs < tail_len)
 
@@ -128,12 +132,12 @@ def _epilogue(
             tl.store(ticket_ptr + block, 0)
             if TAIL:  # noqa: SIM102 (a constexpr test, then a run-time one)
                 if block == 0:
-                    _write_tail(out_ptr, n, tail_len, tail_value, BLOCK)
+                    _write_tail(out_ptr, n, tail_len, tail_value)
     else:
         _store_result(out_ptr, offs, mask, total, scale, ACCUMULATE)
         if TAIL:  # noqa: SIM102 (a constexpr test, then a run-time one)
             if block == 0:
-                _write_tail(out_ptr, n, tail_len, tail_value, BLOCK)
+                _write_tail(out_ptr, n, tail_len, tail_value)
 
 
 @triton.jit

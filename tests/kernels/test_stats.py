@@ -100,12 +100,12 @@ def test_split_sums_are_added_by_the_last_program(monkeypatch):
 def test_launch_writes_the_tail(monkeypatch, split):
     monkeypatch.setattr(stats, "_INTERPRETED_PROGRAMS", 8 if split else 1)
     x = randn(4, 3, 50)
-    out = torch.full((3 + 6,), 7.0)
-    launch = stats.reduction_launch(x, square=False, tail=(6, 12.0))
+    out = torch.full((3 + 2500,), 7.0)  # a tail longer than the tail's block, twice over
+    launch = stats.reduction_launch(x, square=False, tail=(2500, 12.0))
     assert launch.kwargs["SPLIT"] == split
     launch(x, out, scale=2.0)
     torch.testing.assert_close(out[:3], 2 * channel_sum_reference(x, False))
-    assert out[3:].tolist() == [0.0] * 5 + [12.0]
+    assert out[3:].tolist() == [0.0] * 2499 + [12.0]
 
 
 def test_sum_rows_empty():
