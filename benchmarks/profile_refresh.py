@@ -117,7 +117,6 @@ def per_step(events: Sequence[Any], steps: int, cuda: bool) -> dict[str, Any]:
     """The profile of ``steps`` steps, per step: the labelled ranges (calls, host ms,
     device ms), the totals and the time per kernel (per operator on a CPU)."""
     ranges: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    names = Counter(e.name for e in events)
     for e in events:
         labelled = e.name in PHASES or e.name == "fold" or e.name[:3] in ("a: ", "g: ")
         if labelled and e.device_type == DeviceType.CPU:
@@ -133,13 +132,22 @@ def per_step(events: Sequence[Any], steps: int, cuda: bool) -> dict[str, Any]:
         entry[1] += (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3
     return {
         "ranges": {k: [v[0] / steps, v[1] / steps, v[2] / steps] for k, v in ranges.items()},
+        **totals(events, steps, cuda),
+        "by_name": {k: [v[0] / steps, v[1] / steps] for k, v in by_name.items()},
+    }
+
+
+def totals(events: Sequence[Any], steps: int, cuda: bool) -> dict[str, float]:
+    """Per step: kernel launches, host synchronisations, ``cudaMalloc`` calls, ``aten``
+    operators and the device's busy milliseconds."""
+    names = Counter(e.name for e in events)
+    return {
         "launches": sum(names[n] for n in LAUNCHES) / steps,
         # reading a device scalar (.item()) waits for the device; on a CPU it waits for nothing
         "syncs": (sum(names[n] for n in SYNCS) + cuda * names["aten::_local_scalar_dense"]) / steps,
         "mallocs": names["cudaMalloc"] / steps,
         "aten_ops": sum(c for n, c in names.items() if n.startswith("aten::")) / steps,
-        "device_busy_ms": sum(e.device_time_total for e in kernels) / 1e3 / steps,
-        "by_name": {k: [v[0] / steps, v[1] / steps] for k, v in by_name.items()},
+        "device_busy_ms": sum(e.device_time_total for e in kernel_events(events)) / 1e3 / steps,
     }
 
 
@@ -192,40 +200,28 @@ def phase_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def added(results: dict[str, dict[str, Any]], top: int) -> list[dict[str, Any]]:
-    """The kernels (operators on a CPU) whose time per step grows most from the
-    no-refresh step to the refresh step."""
-    with_refresh, without = results[REFRESH]["by_name"], results[NO_REFRESH]["by_name"]
+def growth(more: dict[str, list[float]], less: dict[str, list[float]], top: int) -> list[dict]:
+    """The ``top`` names whose ``[calls, ms]`` per step grow most from ``less`` to ``more``."""
     rows = []
-    for name, (calls, ms) in with_refresh.items():
-        base_calls, base_ms = without.get(name, (0.0, 0.0))
+    for name, (calls, ms) in more.items():
+        base_calls, base_ms = less.get(name, (0.0, 0.0))
         rows.append({"name": name, "calls": calls - base_calls, "ms": ms - base_ms})
     rows.sort(key=lambda r: -r["ms"])
     return rows[:top]
 
 
-def short(name: str, width: int = 70) -> str:
-    """A kernel's name cut to ``width`` characters (templated names run to pages)."""
-    return name if len(name) <= width else name[: width - 3] + "..."
+def range_cell(value: list[float] | None, cuda: bool) -> str:
+    """A labelled range's ``[calls, host ms, device ms]`` as a table cell."""
+    if value is None:
+        return ""
+    calls, host, device = value
+    return f"{calls:g} / {host:.3f} / {device:.3f}" if cuda else f"{calls:g} / {host:.3f}"
 
 
-def tables(results: dict[str, dict[str, Any]], top: int, cuda: bool) -> str:
-    """The three tables (see the module doc), as Markdown."""
+def totals_table(results: dict[str, dict[str, Any]], cuda: bool) -> str:
+    """The totals per step of each variant (see :func:`totals`) and its wall time."""
     fmt = harness.fmt
-
-    def cell(value: list[float] | None) -> str:
-        if value is None:
-            return ""
-        calls, host, device = value
-        return f"{calls:g} / {host:.3f} / {device:.3f}" if cuda else f"{calls:g} / {host:.3f}"
-
-    unit = "calls / host ms / device ms" if cuda else "calls / host ms"
-    phases = harness.table(
-        phase_rows(results),
-        {"range (per step)": lambda r: r["range"]}
-        | {f"{name}: {unit}": (lambda r, n=name: cell(r[n])) for name in results},
-    )
-    totals = harness.table(
+    return harness.table(
         [{"variant": name, **result} for name, result in results.items()],
         {
             "variant": lambda r: r["variant"],
@@ -237,18 +233,33 @@ def tables(results: dict[str, dict[str, Any]], top: int, cuda: bool) -> str:
             "aten ops": lambda r: f"{r['aten_ops']:g}",
         },
     )
+
+
+def short(name: str, width: int = 70) -> str:
+    """A kernel's name cut to ``width`` characters (templated names run to pages)."""
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def tables(results: dict[str, dict[str, Any]], top: int, cuda: bool) -> str:
+    """The three tables (see the module doc), as Markdown."""
+    unit = "calls / host ms / device ms" if cuda else "calls / host ms"
+    phases = harness.table(
+        phase_rows(results),
+        {"range (per step)": lambda r: r["range"]}
+        | {f"{name}: {unit}": (lambda r, n=name: range_cell(r[n], cuda)) for name in results},
+    )
     what = "kernel" if cuda else "operator (self host time)"
-    growth = harness.table(
-        added(results, top),
+    added = harness.table(
+        growth(results[REFRESH]["by_name"], results[NO_REFRESH]["by_name"], top),
         {
             what: lambda r: short(r["name"]),
             "calls added per step": lambda r: f"{r['calls']:g}",
-            "ms added per step": lambda r: fmt(r["ms"]),
+            "ms added per step": lambda r: harness.fmt(r["ms"]),
         },
     )
     return (
-        f"Phases\n\n{phases}\n\nTotals per step\n\n{totals}\n\n"
-        f"What a refresh adds (refresh every step less no refresh)\n\n{growth}"
+        f"Phases\n\n{phases}\n\nTotals per step\n\n{totals_table(results, cuda)}\n\n"
+        f"What a refresh adds (refresh every step less no refresh)\n\n{added}"
     )
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -127,24 +127,15 @@ def per_step(events: Sequence[Any], steps: int, cuda: bool) -> dict[str, Any]:
         entry[0] += 1
         entry[1] += e.cpu_time_total / 1e3
         entry[2] += e.device_time_total / 1e3 if cuda else 0.0
-    names = Counter(e.name for e in events)
     by_op: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in cpu:
         if e.name.startswith("aten::") or e.name.startswith("cuda"):
             entry = by_op[e.name]
             entry[0] += 1
             entry[1] += e.self_cpu_time_total / 1e3
-    kernels = profile_refresh.kernel_events(events)
     return {
         "ranges": {k: [v[0] / steps, v[1] / steps, v[2] / steps] for k, v in ranges.items()},
-        "launches": sum(names[n] for n in profile_refresh.LAUNCHES) / steps,
-        "syncs": (
-            sum(names[n] for n in profile_refresh.SYNCS) + cuda * names["aten::_local_scalar_dense"]
-        )
-        / steps,
-        "mallocs": names["cudaMalloc"] / steps,
-        "aten_ops": sum(c for n, c in names.items() if n.startswith("aten::")) / steps,
-        "device_busy_ms": sum(e.device_time_total for e in kernels) / 1e3 / steps,
+        **profile_refresh.totals(events, steps, cuda),
         "by_op": {k: [v[0] / steps, v[1] / steps] for k, v in by_op.items()},
     }
 
@@ -181,58 +172,28 @@ def profile_variant(name: str, data: Any, args: Any) -> dict[str, Any]:
     return out
 
 
-def added(results: dict[str, dict[str, Any]], top: int) -> list[dict[str, Any]]:
-    """The operators whose host time per step grows most from the loop to the Trainer
-    with the same optimizer."""
-    trainer, loop = results[TRAINER]["by_op"], results[LOOP]["by_op"]
-    rows = []
-    for name, (calls, ms) in trainer.items():
-        base_calls, base_ms = loop.get(name, (0.0, 0.0))
-        rows.append({"name": name, "calls": calls - base_calls, "ms": ms - base_ms})
-    rows.sort(key=lambda r: -r["ms"])
-    return rows[:top]
-
-
 def tables(results: dict[str, dict[str, Any]], top: int, cuda: bool) -> str:
     """The three tables (see the module doc), as Markdown."""
-    fmt = harness.fmt
-
-    def cell(value: list[float] | None) -> str:
-        if value is None:
-            return ""
-        calls, host, device = value
-        return f"{calls:g} / {host:.3f} / {device:.3f}" if cuda else f"{calls:g} / {host:.3f}"
-
     unit = "calls / host ms / device ms" if cuda else "calls / host ms"
+    cell = profile_refresh.range_cell
     ranges = harness.table(
         [{"range": label} for label in RANGES],
         {"range (per step)": lambda r: r["range"]}
-        | {f"{name}: {unit}": (lambda r, n=name: cell(results[n]["ranges"].get(r["range"])))
+        | {f"{name}: {unit}": (lambda r, n=name: cell(results[n]["ranges"].get(r["range"]), cuda))
            for name in results},
     )  # fmt: skip
-    totals = harness.table(
-        [{"variant": name, **result} for name, result in results.items()],
-        {
-            "variant": lambda r: r["variant"],
-            "wall ms": lambda r: fmt(r["wall_ms"]),
-            "device busy ms": lambda r: fmt(r["device_busy_ms"]) if cuda else "",
-            "launches": lambda r: f"{r['launches']:g}",
-            "host syncs": lambda r: f"{r['syncs']:g}",
-            "cudaMalloc": lambda r: f"{r['mallocs']:g}",
-            "aten ops": lambda r: f"{r['aten_ops']:g}",
-        },
-    )
-    growth = harness.table(
-        added(results, top),
+    added = harness.table(
+        profile_refresh.growth(results[TRAINER]["by_op"], results[LOOP]["by_op"], top),
         {
             "operator (self host time)": lambda r: profile_refresh.short(r["name"]),
             "calls added per step": lambda r: f"{r['calls']:g}",
-            "host ms added per step": lambda r: fmt(r["ms"]),
+            "host ms added per step": lambda r: harness.fmt(r["ms"]),
         },
     )
+    totals = profile_refresh.totals_table(results, cuda)
     return (
         f"Ranges\n\n{ranges}\n\nTotals per step\n\n{totals}\n\n"
-        f"What the Trainer adds ({TRAINER} less {LOOP})\n\n{growth}"
+        f"What the Trainer adds ({TRAINER} less {LOOP})\n\n{added}"
     )
 
 
