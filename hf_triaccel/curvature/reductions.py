@@ -112,9 +112,9 @@ def reducer(
     accumulate=False)`` with inputs of ``example``'s shape and strides: it writes the
     scaled sums into the first entries of the float32 buffer ``out`` (or adds them) and,
     with ``tail=(length, value)``, ``length`` more entries after them: zeros, ``value``
-    last. With Triton, whenever a kernel reads the view in place, that is one launch
-    with its own workspace (:class:`~hf_triaccel.kernels.stats.ReductionLaunch`) and no
-    other operation; otherwise the view is copied first.
+    last. With Triton, whenever a kernel reads the view in place, that is one kernel
+    launch (:class:`~hf_triaccel.kernels.stats.ReductionLaunch`) and no other
+    operation; otherwise the view is copied first.
 
     Example:
         >>> x = torch.ones(2, 3, 4)
@@ -123,12 +123,12 @@ def reducer(
         >>> reduce(x, out, scale=0.5); out
         tensor([4., 4., 4., 0., 6.])
     """
-    shape = view(example).shape
+    v = view(example)
+    shape = v.shape
     n = shape[1] if len(shape) > 1 else 1
     if resolve_impl(impl, example.device) == "triton" and example.numel():
         from hf_triaccel.kernels.stats import reduction_launch
 
-        v = view(example)
         launch = reduction_launch(v, square, tail)
         if launch is not None and v.data_ptr() == example.data_ptr():
             return launch  # reads each input where it is

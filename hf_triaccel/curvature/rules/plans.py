@@ -74,7 +74,8 @@ def remember(cache: dict[Any, Any], key: Any, plan: Any) -> Any:
 
 @dataclass
 class RowsPlan:
-    """A statistic that is a sum over rows of the input viewed as (rows, d)."""
+    """A statistic that is one reduction of its input (over the rows of a 2-D view, or
+    per channel), and what its sums run over."""
 
     reduce: Reducer
     count: float  # what the sums run over, returned to the caller
