@@ -90,7 +90,7 @@ def test_split_sums_are_added_by_the_last_program(monkeypatch):
     launch(x, out, scale=0.5)
     expected = sum_rows_reference(x, True, scale=0.5)
     assert_sums_close(out, expected, expected, 1e-5)
-    # the tickets were reset: the next launch of the same workspace finishes again
+    # the tickets were reset: the next launch with the same tickets finishes again
     launch(x, out, accumulate=True)
     assert_sums_close(out, 3 * expected, 3 * expected, 1e-5)
     assert not launch.tickets.any()
