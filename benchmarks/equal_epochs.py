@@ -20,7 +20,11 @@ label smoothing; only the optimizer differs. The arms (:data:`ARMS`):
 - ``adafisher_paper_relative`` / ``adafisher_relative``: ours, not a published algorithm:
   the paper's and the published fold rules with the scale-free normalisation
   (``normalise="relative"``: each statistic spans [0, 1) however small its range, where
-  the published 1e-6 leaves the gradient statistics of a mean loss near 0).
+  the published 1e-6 leaves the gradient statistics of a mean loss near 0);
+- ``adafisher_zeros``: ours, not a published algorithm: the published rule with factors
+  seeded with zeros (``factor_init="zeros"``): from ones, the first refresh leaves each
+  factor about ten times its settled scale and the step grows about 7x at the second
+  refresh (step ``update_every``); from zeros it starts near its settled size.
 
 A grid is a list of ``ARM:lr=A,B,...:wd=C,...`` specs, each run at every seed, data
 set and epoch budget given (``--epochs 10,20``: each budget its own run with its own
@@ -72,6 +76,7 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "adafisher_paper_every10": ("adafisher", {"ema": "paper", "update_every": 10}),
     "adafisher_paper_relative": ("adafisher", {"ema": "paper", "normalise": "relative"}),
     "adafisher_relative": ("adafisher", {"normalise": "relative"}),
+    "adafisher_zeros": ("adafisher", {"factor_init": "zeros"}),
 }
 RESULTS = harness.REPO_ROOT / "benchmarks" / "results" / "equal_epochs.jsonl"
 SMOKE_GRID = ("adamw:lr=3e-3:wd=0.05", "curvature_off:lr=3:wd=5e-4", "adafisher_paper:lr=1e-2")

@@ -54,6 +54,11 @@ OPTIONS = {
         "AdaFisher's normalisation, absolute (published) or relative (ours; default: "
         "the optimizer's)",
     ),
+    "factor_init": (
+        str,
+        None,
+        "AdaFisher's factor seed, ones (published) or zeros (ours; default: the optimizer's)",
+    ),
     "seed": (int, 0, "seed"),
     "device": (str, None, "default: cuda (smoke: cpu)"),
     "max_steps": (int, None, "stop early"),
@@ -77,11 +82,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.precision_map is not None and args.precision != "adaptive":
         parser.error("--precision_map needs --precision adaptive")
-    fisher_flags = (args.ema, args.update_every, args.normalise)
+    fisher_flags = (args.ema, args.update_every, args.normalise, args.factor_init)
     uses_fisher = args.lr_steering or any(f is not None for f in fisher_flags)
     if uses_fisher and not args.optimizer.startswith("adafisher"):
         parser.error(
-            "--ema, --update_every, --normalise and --lr_steering need adafisher or adafisherw"
+            "--ema, --update_every, --normalise, --factor_init and --lr_steering need "
+            "adafisher or adafisherw"
         )
     default_lr, default_wd = harness.HYPERPARAMETERS[args.optimizer]
     args.lr = default_lr if args.lr is None else args.lr
@@ -156,6 +162,7 @@ def run(
     fisher = {"impl": args.impl, "update_every": args.update_every}
     fisher.update({} if args.ema is None else {"ema": args.ema})
     fisher.update({} if args.normalise is None else {"normalise": args.normalise})
+    fisher.update({} if args.factor_init is None else {"factor_init": args.factor_init})
     optimizer = harness.make_optimizer(
         args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay, **fisher
     )
@@ -203,7 +210,7 @@ def run(
     timed = epochs[1:] if len(epochs) > 1 else epochs
     images_per_second = sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed)
     names = ("optimizer", "precision", "model", "lr", "weight_decay", "label_smoothing", "impl")
-    names += ("ema", "update_every", "normalise")
+    names += ("ema", "update_every", "normalise", "factor_init")
     names += ("batch_size", "layout", "channels_last", "seed", "data", "smoke")
     record = {name: getattr(args, name) for name in names}
     record.update(epochs=len(epochs), steps=args.total_steps, train_images=len(train_data))

@@ -21,6 +21,12 @@ NORMALISE_MODES = ("absolute", "relative")
 ``NORMALISE_EPS`` added to the range) and ``"relative"`` (this project's scale-free
 variant, the range scaled by ``1 + NORMALISE_EPS``); see docs/design.md, "AdaFisher"."""
 
+FACTOR_INITS = ("ones", "zeros")
+"""What the Fisher factors start at: ``"ones"`` (the published seed) or ``"zeros"`` (this
+project's variant: under ``ema="reference"`` the first refresh then puts each factor near
+its settled scale, so the step does not grow at the second refresh); see docs/design.md,
+"AdaFisher"."""
+
 NORMALISE_EPS = 1e-6
 """The epsilon of the min-max normalisation of a new Fisher statistic: added to the range
 (``"absolute"``) or its relative margin (``"relative"``)."""

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_triaccel._types import EMA_MODES, ParamFactors
+from hf_triaccel._types import EMA_MODES, FACTOR_INITS, ParamFactors
 from hf_triaccel.curvature.averaging import DevicePlan, device_plan, finish_step
 from hf_triaccel.curvature.hooks import ActivationHook, OutputHook
 from hf_triaccel.curvature.layer import LayerFactors
@@ -64,6 +64,8 @@ class FisherCollector:
             modules (tied embeddings) is assigned to the first one in
             ``named_modules()`` order.
         ema: ``"reference"`` or ``"paper"`` (see :mod:`hf_triaccel.curvature.fold`).
+        factor_init: what the factors start at, ``"ones"`` (published) or ``"zeros"``
+            (see :class:`~hf_triaccel.optim.config.AdaFisherConfig`).
         impl: implementation of the statistics (see :mod:`hf_triaccel.dispatch`).
         exclude: module names (as in ``named_modules()``) that get no factors.
 
@@ -91,6 +93,7 @@ class FisherCollector:
         model: nn.Module,
         *,
         ema: str = "reference",
+        factor_init: str = "ones",
         impl: str | None = None,
         exclude: tuple[str, ...] = (),
     ) -> None:
@@ -98,7 +101,10 @@ class FisherCollector:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if ema not in EMA_MODES:
             raise ValueError(f"ema={ema!r} is not one of {EMA_MODES}")
+        if factor_init not in FACTOR_INITS:
+            raise ValueError(f"factor_init={factor_init!r} is not one of {FACTOR_INITS}")
         self.ema = ema
+        self.factor_init = factor_init
         self.impl = impl
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.generation = 0
@@ -132,7 +138,8 @@ class FisherCollector:
             return
         taken.update(owned.values())
         layouts = {k: layouts[k] for k in owned}
-        layer = LayerFactors.create(name, module, rule, layouts, self.ema == "paper")
+        zeros = self.ema == "paper" or self.factor_init == "zeros"
+        layer = LayerFactors.create(name, module, rule, layouts, self.ema == "paper", zeros)
         self.layers[name] = layer
 
     # -- hooks ----------------------------------------------------------------------
@@ -369,6 +376,7 @@ class FisherCollector:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         model = state.pop("model")
+        state.setdefault("factor_init", "ones")  # pickled before the setting existed
         self.__dict__.update(state)
         self._fold_cache = (0, {})
         self._model_ref = _no_model if model is None else weakref.ref(model)
@@ -386,4 +394,7 @@ class FisherCollector:
         self.detach()
 
     def __repr__(self) -> str:
-        return f"FisherCollector(layers={len(self.layers)}, ema={self.ema!r})"
+        return (
+            f"FisherCollector(layers={len(self.layers)}, ema={self.ema!r}, "
+            f"factor_init={self.factor_init!r})"
+        )

@@ -99,17 +99,18 @@ class LayerFactors:
         rule: FisherRule,
         layouts: dict[str, FactorLayout],
         paper: bool,
+        zeros: bool,
     ) -> LayerFactors:
         """The factors of ``module`` for the parameters of ``layouts``, where its first
-        one is, with the running factors of ``ema="paper"`` when ``paper``."""
+        one is, with the running factors of ``ema="paper"`` when ``paper``, seeded with
+        zeros when ``zeros`` (else ones)."""
         anchor = next(iter(layouts))
         device = getattr(module, anchor).device
         a_len, g_len = rule.sizes(module)
-        # Factors start at ones. In paper mode only the normalised EMA is ever read,
-        # and min-max normalisation removes any constant, so the EMA is kept without
-        # the seed's share gamma^t: the same result, without float32 cancellation
-        # when the statistics are tiny next to 1.
-        seed = torch.zeros if paper else torch.ones
+        # In paper mode only the normalised EMA is ever read, and min-max normalisation
+        # removes any constant, so the collector seeds it with zeros: the same result as
+        # ones, without float32 cancellation when the statistics are tiny next to 1.
+        seed = torch.zeros if zeros else torch.ones
         a_ema, g_ema = seed(a_len, device=device), seed(g_len, device=device)
         a_finish, g_finish = rule.a_finish(module), rule.g_finish(module)
         if not g_finish.in_place:

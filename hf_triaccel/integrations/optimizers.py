@@ -106,7 +106,9 @@ def build_adafisher(
     """
     cls = OPTIMIZERS[optimizer_name(optimizer, "optimizer")]
     config = config or AdaFisherConfig()
-    collector = FisherCollector(model, ema=config.ema, impl=config.impl)
+    collector = FisherCollector(
+        model, ema=config.ema, factor_init=config.factor_init, impl=config.impl
+    )
     collector.grad_scaler = grad_scaler
     if params is None:
         params = param_groups(model, config.weight_decay)

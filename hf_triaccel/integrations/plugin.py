@@ -126,7 +126,7 @@ class TriAccelPlugin(AdaFisherConfig):
 
     def build_collector(self, model: nn.Module) -> FisherCollector:
         """The Fisher collector for ``model`` (unwrap DDP/compile wrappers first)."""
-        return FisherCollector(model, ema=self.ema, impl=self.impl)
+        return FisherCollector(model, ema=self.ema, factor_init=self.factor_init, impl=self.impl)
 
     def build_optimizer(
         self, model: nn.Module, params: Any = None, grad_scaler: torch.amp.GradScaler | None = None

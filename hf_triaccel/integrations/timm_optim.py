@@ -63,7 +63,9 @@ class _BindAtFirstForward:
         if _is_wrapper(module) or not self.params <= set(module.parameters()):
             return
         self.handle.remove()
-        optimizer.collector = FisherCollector(module, ema=optimizer.ema, impl=optimizer.impl)
+        optimizer.collector = FisherCollector(
+            module, ema=optimizer.ema, factor_init=optimizer.factor_init, impl=optimizer.impl
+        )
 
 
 def _timm_optimizer(name: str):

@@ -39,6 +39,7 @@ CONFIG_NAMES = {
     "weight_decay": "weight_decay",
     "ema": "adafisher_ema",
     "normalise": "adafisher_normalise",
+    "factor_init": "adafisher_factor_init",
     "impl": "triaccel_impl",
 }
 # TriAccelPlugin field -> TriAccelArguments field: the controllers' settings
@@ -182,6 +183,7 @@ you mean 'adamw_torch_fused'? ...
     adafisher_update_every: int | None = _from_plugin("update_every", prefix="AdaFisher: ")
     adafisher_ema: str = _from_plugin("ema", prefix="AdaFisher: ")
     adafisher_normalise: str = _from_plugin("normalise", prefix="AdaFisher: ")
+    adafisher_factor_init: str = _from_plugin("factor_init", prefix="AdaFisher: ")
     triaccel_impl: str | None = _from_plugin("impl", prefix="AdaFisher: ")
     triaccel_precision: bool = _from_plugin("precision", _NEEDS_ADAFISHER)
     triaccel_signals_every: int = _from_plugin("signals_every")

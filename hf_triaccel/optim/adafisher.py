@@ -65,9 +65,10 @@ class AdaFisher(Optimizer):
             of modules it covers are preconditioned with their Fisher factors, the
             others with F = 1. Without a collector every parameter gets F = 1
             (a warning says so); :meth:`from_model` builds both in one call.
-        lr, beta, damping, gamma, update_every, weight_decay, ema, normalise, impl: the
-            hyperparameters of :class:`~hf_triaccel.optim.config.AdaFisherConfig`
-            (same defaults), validated by it; ``ema`` must match the collector's.
+        lr, beta, damping, gamma, update_every, weight_decay, ema, normalise,
+            factor_init, impl: the hyperparameters of
+            :class:`~hf_triaccel.optim.config.AdaFisherConfig` (same defaults), validated
+            by it; ``ema`` and ``factor_init`` must match the collector's.
         maximize: ascend the objective instead of descending it.
         foreach, fused, capturable, differentiable: torch.optim's flags, which timm and
             other wrappers pass: ``foreach=True`` selects ``impl="foreach"``,
@@ -101,6 +102,7 @@ class AdaFisher(Optimizer):
         weight_decay: float = AdaFisherConfig.weight_decay,
         ema: str = AdaFisherConfig.ema,
         normalise: str = AdaFisherConfig.normalise,
+        factor_init: str = AdaFisherConfig.factor_init,
         impl: str | None = AdaFisherConfig.impl,
         maximize: bool = False,
         foreach: bool | None = None,
@@ -126,14 +128,19 @@ class AdaFisher(Optimizer):
             weight_decay=weight_decay,
             ema=ema,
             normalise=normalise,
+            factor_init=factor_init,
             impl=impl,
         )
         if collector is not None and not isinstance(collector, FisherCollector):
             raise TypeError(f"collector must be a FisherCollector, got {type(collector).__name__}")
-        if collector is not None and collector.ema != config.ema:
-            raise ValueError(
-                f"{name}.ema={config.ema!r} but the collector was built with ema={collector.ema!r}"
-            )
+        for setting in ("ema", "factor_init"):
+            ours = getattr(config, setting)
+            theirs = ours if collector is None else getattr(collector, setting)
+            if ours != theirs:
+                raise ValueError(
+                    f"{name}.{setting}={ours!r} but the collector was built with "
+                    f"{setting}={theirs!r}"
+                )
         defaults = dict(
             lr=lr, beta=beta, damping=damping, weight_decay=weight_decay, maximize=bool(maximize)
         )
@@ -150,6 +157,7 @@ class AdaFisher(Optimizer):
         self.update_every = config.resolved_update_every
         self.ema = config.ema
         self.normalise = config.normalise
+        self.factor_init = config.factor_init
         self.impl = config.impl
         self.fisher_steps = 0
         self._plans: list[GroupPlan | None] = []
@@ -180,10 +188,11 @@ class AdaFisher(Optimizer):
         flags = {k: hyperparameters[k] for k in _TORCH_FLAGS if k in hyperparameters}
         impl = impl_from_torch_flags(hyperparameters.get("impl"), **flags, owner=cls.__name__)
         ema = hyperparameters.get("ema", AdaFisherConfig.ema)
+        factor_init = hyperparameters.get("factor_init", AdaFisherConfig.factor_init)
         if params is None:
             decay = hyperparameters.get("weight_decay", AdaFisherConfig.weight_decay)
             params = param_groups(model, decay)
-        collector = FisherCollector(model, ema=ema, impl=impl)
+        collector = FisherCollector(model, ema=ema, factor_init=factor_init, impl=impl)
         try:
             return cls(params, collector, **hyperparameters)
         except Exception:
@@ -339,6 +348,7 @@ class AdaFisher(Optimizer):
             group.setdefault("maximize", False)  # groups saved before the flag existed
         # optimizers pickled before the setting existed folded with the published rule
         self.__dict__.setdefault("normalise", "absolute")
+        self.__dict__.setdefault("factor_init", "ones")
 
 
 class AdaFisherW(AdaFisher):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hf_triaccel._types import EMA_MODES, NORMALISE_MODES
+from hf_triaccel._types import EMA_MODES, FACTOR_INITS, NORMALISE_MODES
 from hf_triaccel.dispatch import validate_impl
 
 DEFAULT_LR = 1.2e-2
@@ -138,6 +138,14 @@ class AdaFisherConfig:
             project's scale-free variant, not the published algorithm: (X - min) /
             ((max - min) * (1 + 1e-6) + tiny), which spans [0, 1) however small the
             statistic's range (the absolute one leaves a range far below 1e-6 near 0).
+        factor_init: what the factors start at: ``"ones"`` (the published seed) or
+            ``"zeros"``, this project's variant, not the published algorithm. Under
+            ``ema="reference"`` a factor from ones is about ten times its settled scale after
+            the first refresh and settles at the second, so the step grows about
+            ``1 + 0.0064 / damping`` times at the second refresh (at step ``update_every``);
+            from zeros the first refresh already puts it at 0.92 of its settled scale and the
+            step stays the same. No effect under ``ema="paper"``, whose normalisation removes
+            any constant seed.
         impl: ``"triton"``, ``"foreach"``, ``"reference"``, ``"auto"`` or ``None``
             (automatic; the ``HF_TRIACCEL_IMPL`` environment variable overrides automatic).
 
@@ -184,6 +192,14 @@ class AdaFisherConfig:
             "not the published algorithm: the statistic spans [0, 1) whatever its scale)."
         },
     )
+    factor_init: str = field(
+        default="ones",
+        metadata={
+            "help": "What the Fisher factors start at: ones (published) or zeros (this "
+            "project's variant, not the published algorithm: no jump in the step size at "
+            "the second refresh under ema=reference)."
+        },
+    )
     impl: str | None = field(
         default=None,
         metadata={"help": "Kernels: triton, foreach or reference (default: automatic)."},
@@ -213,6 +229,7 @@ class AdaFisherConfig:
             ),
             ("ema", self.ema in EMA_MODES, f"must be one of {EMA_MODES}"),
             ("normalise", self.normalise in NORMALISE_MODES, f"must be one of {NORMALISE_MODES}"),
+            ("factor_init", self.factor_init in FACTOR_INITS, f"must be one of {FACTOR_INITS}"),
         )
         for name, ok, why in checks:
             if not ok:
