@@ -6,9 +6,9 @@ same data path (decoded once, augmented on the GPU), batch, epochs, one-cycle sc
 label smoothing; only the optimizer differs. The arms (:data:`ARMS`):
 
 - ``adamw``: AdamW(fused); ``sgd``: SGD with Nesterov momentum 0.9 (fused);
-- ``adafisher``: AdaFisher (L2 decay), the published fold rule (``ema="reference"``),
-  a refresh every 100 steps; ``adafisher_every20`` / ``adafisher_every5``: the same rule
-  refreshed more often;
+- ``adafisher``: AdaFisher (L2 decay), the published algorithm: the published fold rule
+  (``ema="reference"``), a refresh every 100 steps, factors seeded with ones;
+  ``adafisher_every20`` / ``adafisher_every5``: the same rule refreshed more often;
 - ``curvature_off``: the control. Under the published rule the preconditioner settles
   near the damping everywhere (docs/design.md), so AdaFisher's update tends to
   ``m <- 0.9*m + 0.1*g; theta -= lr/damping * m``: that update exactly, as torch's SGD
@@ -21,10 +21,14 @@ label smoothing; only the optimizer differs. The arms (:data:`ARMS`):
   the paper's and the published fold rules with the scale-free normalisation
   (``normalise="relative"``: each statistic spans [0, 1) however small its range, where
   the published 1e-6 leaves the gradient statistics of a mean loss near 0);
-- ``adafisher_zeros``: ours, not a published algorithm: the published rule with factors
-  seeded with zeros (``factor_init="zeros"``): from ones, the first refresh leaves each
-  factor about ten times its settled scale and the step grows about 7x at the second
-  refresh (step ``update_every``); from zeros it starts near its settled size.
+- ``adafisher_zeros``: ours, not a published algorithm (the package's default): the
+  published rule with factors seeded with zeros (``factor_init="zeros"``): from ones, the
+  first refresh leaves each factor about ten times its settled scale and the step grows
+  about 7x at the second refresh (step ``update_every``); from zeros it starts near its
+  settled size.
+
+The arms measured before the package's default seed became zeros name
+``factor_init="ones"`` so that they stay the runs they were.
 
 A grid is a list of ``ARM:lr=A,B,...:wd=C,...`` specs, each run at every seed, data
 set and epoch budget given (``--epochs 10,20``: each budget its own run with its own
@@ -68,14 +72,14 @@ from hf_triaccel.data.images import ImageTensors
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "adamw": ("adamw", {}),
     "sgd": ("sgd", {}),
-    "adafisher": ("adafisher", {}),
-    "adafisher_every20": ("adafisher", {"update_every": 20}),
-    "adafisher_every5": ("adafisher", {"update_every": 5}),
+    "adafisher": ("adafisher", {"factor_init": "ones"}),
+    "adafisher_every20": ("adafisher", {"update_every": 20, "factor_init": "ones"}),
+    "adafisher_every5": ("adafisher", {"update_every": 5, "factor_init": "ones"}),
     "curvature_off": ("sgd_ema", {}),
     "adafisher_paper": ("adafisher", {"ema": "paper"}),
     "adafisher_paper_every10": ("adafisher", {"ema": "paper", "update_every": 10}),
     "adafisher_paper_relative": ("adafisher", {"ema": "paper", "normalise": "relative"}),
-    "adafisher_relative": ("adafisher", {"normalise": "relative"}),
+    "adafisher_relative": ("adafisher", {"normalise": "relative", "factor_init": "ones"}),
     "adafisher_zeros": ("adafisher", {"factor_init": "zeros"}),
 }
 RESULTS = harness.REPO_ROOT / "benchmarks" / "results" / "equal_epochs.jsonl"

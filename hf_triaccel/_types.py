@@ -14,18 +14,21 @@ import torch
 from torch import nn
 
 EMA_MODES = ("reference", "paper")
-"""The Fisher-factor EMA rules: ``"reference"`` (the published results) and ``"paper"``."""
+"""The Fisher-factor EMA rules: ``"reference"`` (the published fold rule) and ``"paper"``."""
 
 NORMALISE_MODES = ("absolute", "relative")
 """The min-max normalisations of a Fisher statistic: ``"absolute"`` (the published one,
 ``NORMALISE_EPS`` added to the range) and ``"relative"`` (this project's scale-free
 variant, the range scaled by ``1 + NORMALISE_EPS``); see docs/design.md, "AdaFisher"."""
 
-FACTOR_INITS = ("ones", "zeros")
-"""What the Fisher factors start at: ``"ones"`` (the published seed) or ``"zeros"`` (this
-project's variant: under ``ema="reference"`` the first refresh then puts each factor near
-its settled scale, so the step does not grow at the second refresh); see docs/design.md,
-"AdaFisher"."""
+FACTOR_INITS = ("zeros", "ones")
+"""What the Fisher factors start at: ``"zeros"`` (the default, this project's variant: under
+``ema="reference"`` the first refresh puts each factor near its settled scale, so the step
+does not grow at the second refresh) or ``"ones"`` (the published seed); see
+docs/design.md, "AdaFisher"."""
+
+DEFAULT_FACTOR_INIT = "zeros"
+"""The factors' seed of the optimizer and of a collector built alone, which must agree."""
 
 NORMALISE_EPS = 1e-6
 """The epsilon of the min-max normalisation of a new Fisher statistic: added to the range

@@ -81,7 +81,7 @@ CPU_PLAN = Plan(
     batch_size=64,
     epochs=2,
     max_steps=100,
-    hyperparameters={"adafisher": (1e-2, 5e-4), "adamw": (3e-2, 5e-2), "adafisherw": (3e-3, 5e-4)},
+    hyperparameters={"adafisher": (3e-3, 5e-4), "adamw": (3e-2, 5e-2), "adafisherw": (3e-3, 5e-4)},
 )
 CUDA_WARMUP_STEPS = 5
 

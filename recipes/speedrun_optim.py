@@ -281,7 +281,11 @@ class SpeedrunOptimizer:
             if collector is None:
                 leaves = (n for n, m in modules.items() if n and not list(m.children()))
                 excluded = tuple(n for n in leaves if n not in names)
-                collector = FisherCollector(net, ema=s.adafisher_ema, exclude=excluded)
+                # factors from ones: the published seed, which the speedrun's settings
+                # were tuned with (BENCHMARKS.md)
+                collector = FisherCollector(
+                    net, ema=s.adafisher_ema, factor_init="ones", exclude=excluded
+                )
                 initial_factors = collector.state_dict()
             elif initial_factors is not None:
                 collector.load_state_dict(initial_factors)
@@ -302,6 +306,7 @@ class SpeedrunOptimizer:
                     update_every=s.adafisher_update_every,
                     weight_decay=s.adafisher_weight_decay,
                     ema=s.adafisher_ema,
+                    factor_init="ones",
                 )
             )
         self.base = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]

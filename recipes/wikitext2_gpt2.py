@@ -510,6 +510,8 @@ def run_key(recipe_args: TextRecipeArguments, args: TriAccelArguments) -> dict[s
             "damping": plugin.damping,
             "beta": plugin.beta,
         }
+        if plugin.ema == "reference":  # the paper rule's normalisation removes any seed
+            key["adafisher"]["factor_init"] = plugin.factor_init
     return key
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from hf_triaccel import quickstart
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+from hf_triaccel.optim.config import AdaFisherConfig
 from hf_triaccel.quickstart import (
     CPU_MODEL_ARGS,
     CPU_PLAN,
@@ -109,17 +110,23 @@ def test_a_dataset_that_is_not_there_fails_before_training(tmp_path, monkeypatch
 
 def test_the_cpu_plan_takes_the_best_of_its_grid_inside_it():
     """Each compared optimizer's CPU learning rate is the most accurate of the committed
-    grid (benchmarks/quickstart_grid.py) at the plan's steps and weight decay, with a
-    less accurate learning rate measured on both sides."""
+    grid (benchmarks/quickstart_grid.py) at the plan's steps and weight decay, and
+    AdaFisher's at the default factor seed (runs recorded without one started from ones),
+    with a less accurate learning rate measured on both sides."""
     path = Path(__file__).resolve().parents[1] / "benchmarks/results/quickstart_cpu.jsonl"
     runs = [json.loads(line) for line in path.read_text().splitlines()]
+
+    def seed(optimizer: str, record: dict) -> str | None:
+        return record.get("factor_init", "ones") if optimizer.startswith("adafisher") else None
+
     for name in quickstart.COMPARED:
         lr, weight_decay = CPU_PLAN.hyperparameters[name]
+        default = seed(name, {"factor_init": AdaFisherConfig().factor_init})
         grid = {
             r["learning_rate"]: r["test_accuracy"]
             for r in runs
-            if (r["optimizer"], r["steps"], r["weight_decay"])
-            == (name, CPU_PLAN.max_steps, weight_decay)
+            if (r["optimizer"], r["steps"], r["weight_decay"], seed(r["optimizer"], r))
+            == (name, CPU_PLAN.max_steps, weight_decay, default)
         }
         lrs = sorted(grid)
         assert max(grid, key=grid.get) == lr

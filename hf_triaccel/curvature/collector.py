@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_triaccel._types import EMA_MODES, FACTOR_INITS, ParamFactors
+from hf_triaccel._types import DEFAULT_FACTOR_INIT, EMA_MODES, FACTOR_INITS, ParamFactors
 from hf_triaccel.curvature.averaging import DevicePlan, device_plan, finish_step
 from hf_triaccel.curvature.hooks import ActivationHook, OutputHook
 from hf_triaccel.curvature.layer import LayerFactors
@@ -64,8 +64,8 @@ class FisherCollector:
             modules (tied embeddings) is assigned to the first one in
             ``named_modules()`` order.
         ema: ``"reference"`` or ``"paper"`` (see :mod:`hf_triaccel.curvature.fold`).
-        factor_init: what the factors start at, ``"ones"`` (published) or ``"zeros"``
-            (see :class:`~hf_triaccel.optim.config.AdaFisherConfig`).
+        factor_init: what the factors start at, ``"zeros"`` (the default) or ``"ones"``
+            (published; see :class:`~hf_triaccel.optim.config.AdaFisherConfig`).
         impl: implementation of the statistics (see :mod:`hf_triaccel.dispatch`).
         exclude: module names (as in ``named_modules()``) that get no factors.
 
@@ -93,7 +93,7 @@ class FisherCollector:
         model: nn.Module,
         *,
         ema: str = "reference",
-        factor_init: str = "ones",
+        factor_init: str = DEFAULT_FACTOR_INIT,
         impl: str | None = None,
         exclude: tuple[str, ...] = (),
     ) -> None:

@@ -88,8 +88,8 @@ class SignalTracker:
         >>> from torch import nn
         >>> collector = FisherCollector(nn.Linear(4, 2))
         >>> tracker = SignalTracker(collector)
-        >>> tracker.compute()[""].curvature  # factors start at ones
-        1.0
+        >>> tracker.compute()[""].curvature  # factors start at zeros
+        0.0
     """
 
     def __init__(

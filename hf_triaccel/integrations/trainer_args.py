@@ -1,5 +1,8 @@
 """``TriAccelArguments``: ``TrainingArguments`` with hf_triaccel's settings.
 
+Over 400 lines: HfArgumentParser reads one dataclass, so every setting of the optimizer
+and the controllers is a field here, each with its help, beside the parser that reads them.
+
 AdaFisher's fields take their defaults, help and validation from
 :class:`~hf_triaccel.optim.config.AdaFisherConfig`. ``learning_rate`` defaults to ``None``,
 meaning "the chosen optimizer's own default": AdaFisher's for ``adafisher`` /

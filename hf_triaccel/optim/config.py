@@ -19,14 +19,15 @@ from typing import Any
 
 import torch
 
-from hf_triaccel._types import EMA_MODES, FACTOR_INITS, NORMALISE_MODES
+from hf_triaccel._types import DEFAULT_FACTOR_INIT, EMA_MODES, FACTOR_INITS, NORMALISE_MODES
 from hf_triaccel.dispatch import validate_impl
 
 DEFAULT_LR = 1.2e-2
 """AdaFisher's default learning rate, in every entry point: the best of the learning-rate
-grid of a CIFAR ResNet-18 at batch 512 under the published fold rule
-(``benchmarks/results/chosen.json``). Under that rule the step is close to momentum SGD's
-at ``lr / damping``; a model unlike the one measured may need its own."""
+grid of a CIFAR ResNet-18 at batch 512 under the published fold rule with the factors
+seeded with zeros, the defaults (``benchmarks/results/chosen.json``). Under that rule the
+step is close to momentum SGD's at ``lr / damping`` from the first step on; a model unlike
+the one measured may need its own."""
 
 
 def check_step_hyperparameters(
@@ -132,20 +133,20 @@ class AdaFisherConfig:
         update_every: refresh the factors every this many optimizer steps; ``None``
             means 100 for ``ema="reference"`` and 1 for ``ema="paper"``.
         weight_decay: L2 penalty (AdaFisher) or decoupled decay (AdaFisherW), >= 0.
-        ema: ``"reference"`` (published results) or ``"paper"``.
+        ema: ``"reference"`` (the published fold rule) or ``"paper"``.
         normalise: min-max normalisation of each new Fisher statistic: ``"absolute"``
             (the published one, (X - min) / (max - min + 1e-6)) or ``"relative"``, this
             project's scale-free variant, not the published algorithm: (X - min) /
             ((max - min) * (1 + 1e-6) + tiny), which spans [0, 1) however small the
             statistic's range (the absolute one leaves a range far below 1e-6 near 0).
-        factor_init: what the factors start at: ``"ones"`` (the published seed) or
-            ``"zeros"``, this project's variant, not the published algorithm. Under
+        factor_init: what the factors start at: ``"zeros"`` (the default, this project's
+            variant, not the published algorithm) or ``"ones"`` (the published seed). Under
             ``ema="reference"`` a factor from ones is about ten times its settled scale after
             the first refresh and settles at the second, so the step grows about
-            ``1 + 0.0064 / damping`` times at the second refresh (at step ``update_every``);
-            from zeros the first refresh already puts it at 0.92 of its settled scale and the
-            step stays the same. No effect under ``ema="paper"``, whose normalisation removes
-            any constant seed.
+            ``1 + 0.0064 / damping`` times at the second refresh (at step ``update_every``),
+            wherever the schedule is then; from zeros the first refresh already puts it at
+            0.92 of its settled scale and the step keeps its size. No effect under
+            ``ema="paper"``, whose normalisation removes any constant seed.
         impl: ``"triton"``, ``"foreach"``, ``"reference"``, ``"auto"`` or ``None``
             (automatic; the ``HF_TRIACCEL_IMPL`` environment variable overrides automatic).
 
@@ -182,7 +183,7 @@ class AdaFisherConfig:
     )
     ema: str = field(
         default="reference",
-        metadata={"help": "Fisher EMA rule: reference (published results) or paper."},
+        metadata={"help": "Fisher EMA rule: reference (the published fold rule) or paper."},
     )
     normalise: str = field(
         default="absolute",
@@ -193,11 +194,11 @@ class AdaFisherConfig:
         },
     )
     factor_init: str = field(
-        default="ones",
+        default=DEFAULT_FACTOR_INIT,
         metadata={
-            "help": "What the Fisher factors start at: ones (published) or zeros (this "
-            "project's variant, not the published algorithm: no jump in the step size at "
-            "the second refresh under ema=reference)."
+            "help": "What the Fisher factors start at: zeros (this project's variant, not the "
+            "published algorithm: no jump in the step size at the second refresh under "
+            "ema=reference) or ones (published)."
         },
     )
     impl: str | None = field(

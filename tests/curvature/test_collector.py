@@ -72,8 +72,8 @@ def mlp_oracle(model: nn.Sequential, x: torch.Tensor, w: torch.Tensor):
 
 
 def reference_fold(x: torch.Tensor) -> torch.Tensor:
-    """One refresh of a ones-seeded factor, ema='reference'."""
-    return 0.1 * GAMMA * torch.ones_like(x) + 0.01 * GAMMA * minmax_normalise(x)
+    """One refresh of a factor from the default seed (zeros), ema='reference'."""
+    return 0.01 * GAMMA * minmax_normalise(x)
 
 
 # --------------------------------------------------------------------------- when
@@ -89,7 +89,7 @@ def test_statistics_only_while_collecting():
         assert not any(t.any() for t in layer.statistics())
     collector.fold(GAMMA)  # nothing seen: factors keep their seed
     for layer in collector.layers.values():
-        assert torch.equal(layer.a, torch.ones_like(layer.a))
+        assert torch.equal(layer.a, torch.zeros_like(layer.a))  # still the seed
     collector.collecting = True
     forward_backward(model, torch.randn(4, 5))
     for layer in collector.layers.values():

@@ -75,6 +75,10 @@ def test_two_process_ddp_matches_single_process(tmp_path):
     for name, layer in opt.collector.state_dict().items():
         torch.testing.assert_close(ddp["factors"][name]["a"], layer["a"], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(ddp["factors"][name]["g"], layer["g"], rtol=1e-5, atol=1e-7)
+    # the all-reduce adds the two halves' gradients in another order than one backward:
+    # the drift of two float32 trajectories, unit roundoff x STEPS / damping (1e-3, the
+    # smallest preconditioner entry), relative to each parameter's norm
+    drift = torch.finfo(torch.float32).eps / 2 * STEPS / 1e-3
     for p_ddp, p in zip(ddp["params"], single.parameters(), strict=True):
-        torch.testing.assert_close(p_ddp, p.detach(), rtol=1e-4, atol=1e-5)
+        assert (p_ddp - p.detach()).norm() <= drift * p.norm()
     assert os.path.exists(out)

@@ -132,7 +132,7 @@ def test_timm_create_optimizer_v2_builds_adafisher_bound_to_the_model():
     assert register_timm_optimizers() == ["adafisher", "adafisherw"]
     model = MLP()
     opt = timm.optim.create_optimizer_v2(
-        model, "adafisherw", lr=1e-2, weight_decay=0.1, update_every=1
+        model, "adafisherw", lr=1e-3, weight_decay=0.1, update_every=1
     )
     assert isinstance(opt, AdaFisherW) and opt.collector is None  # bound at the first forward
     assert _group_names(model, opt) == [(0.0, NO_DECAY), (0.1, DECAY)]  # timm's group order

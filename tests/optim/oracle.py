@@ -31,6 +31,7 @@ class OracleAdaFisher:
         decoupled=False,
         ema="reference",
         normalise="absolute",
+        factor_init="zeros",
     ):
         self.model = model
         self.lr, self.beta, self.damping, self.gamma = lr, beta, damping, gamma
@@ -41,6 +42,7 @@ class OracleAdaFisher:
             ema,
         )
         self.relative = normalise == "relative"
+        self.seed = torch.zeros_like if factor_init == "zeros" else torch.ones_like
         self.t = 0
         self.layers = [
             m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.Linear))
@@ -103,7 +105,7 @@ class OracleAdaFisher:
             for m in self.layers:
                 a, g = self._stats(m)
                 if self.A[m] is None:
-                    self.A[m], self.G[m] = torch.ones_like(a), torch.ones_like(g)
+                    self.A[m], self.G[m] = self.seed(a), self.seed(g)
                 if self.ema == "reference":
                     new_a, new_g = _normalise(a, self.relative), _normalise(g, self.relative)
                     self.A[m] = 0.1 * self.gamma * self.A[m] + 0.01 * self.gamma * new_a

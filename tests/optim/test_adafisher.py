@@ -96,7 +96,8 @@ def rounding_bound(dtype: torch.dtype, steps: int, damping: float) -> float:
 @pytest.mark.parametrize("cls", [AdaFisher, AdaFisherW])
 @pytest.mark.parametrize("ema", ["reference", "paper"])
 @pytest.mark.parametrize("normalise", ["absolute", "relative"])
-def test_reference_matches_float64_oracle(cls, ema, normalise):
+@pytest.mark.parametrize("factor_init", ["zeros", "ones"])
+def test_reference_matches_float64_oracle(cls, ema, normalise, factor_init):
     torch.manual_seed(0)
     model = small_cnn()
     oracle_model = copy.deepcopy(model).double()
@@ -109,6 +110,7 @@ def test_reference_matches_float64_oracle(cls, ema, normalise):
         update_every=3,
         ema=ema,
         normalise=normalise,
+        factor_init=factor_init,
         impl="reference",
     )
     oracle = OracleAdaFisher(
@@ -118,6 +120,7 @@ def test_reference_matches_float64_oracle(cls, ema, normalise):
         update_every=3,
         ema=ema,
         normalise=normalise,
+        factor_init=factor_init,
         decoupled=cls is AdaFisherW,
     )
     data = batches(8, seed=1)
@@ -310,7 +313,9 @@ def test_added_param_group_and_switched_implementation(monkeypatch):
             for m, o in ((model, opt), (twin, twin_opt)):
                 o.add_param_group({"params": list(m[6].parameters())})
             monkeypatch.setenv("HF_TRIACCEL_IMPL", "reference")
-    assert max_rel_diff(model, twin) < 1e-6
+    # foreach and the loop round differently on the first steps: the drift bound of two
+    # float32 trajectories over the 4 steps
+    assert max_rel_diff(model, twin) < rounding_bound(torch.float32, 4, 1e-3)
     assert {part.impl for plan in opt._plans for part in plan.parts} == {"reference"}
     assert all(opt.state[p]["step"] == 3 for p in model[6].parameters())
 

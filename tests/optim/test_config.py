@@ -31,7 +31,7 @@ from hf_triaccel.optim.groups import no_decay_names, param_groups
         ("weight_decay", -0.1, "needs >= 0"),
         ("ema", "fast", "must be one of"),
         ("normalise", "scaled", r"must be one of \('absolute', 'relative'\)"),
-        ("factor_init", "random", r"must be one of \('ones', 'zeros'\)"),
+        ("factor_init", "random", r"must be one of \('zeros', 'ones'\)"),
     ],
 )
 def test_config_errors_name_the_owner_and_field(field, value, why):

@@ -85,16 +85,20 @@ def test_the_step_grows_at_the_second_refresh_from_ones_only():
 
 def test_the_optimizer_and_its_collector_must_agree():
     net = model()
-    collector = FisherCollector(net, factor_init="zeros")
-    with pytest.raises(ValueError, match="factor_init='ones' but the collector was built with"):
+    collector = FisherCollector(net, factor_init="ones")
+    with pytest.raises(ValueError, match="factor_init='zeros' but the collector was built with"):
         AdaFisher(net.parameters(), collector)
-    opt = AdaFisher(net.parameters(), collector, factor_init="zeros")
-    assert all(ly.a_ema.sum() == 0 for ly in collector.layers.values())
-    assert "factor_init='zeros'" in repr(collector)
+    opt = AdaFisher(net.parameters(), collector, factor_init="ones")
+    assert all(torch.equal(ly.a_ema, torch.ones_like(ly.a_ema)) for ly in collector.layers.values())
+    assert "factor_init='ones'" in repr(collector)
+    # built alone, both take the default: zeros
+    plain = FisherCollector(model())
+    assert plain.factor_init == AdaFisher(plain.layers["0"].module.parameters(), plain).factor_init
+    assert all(ly.a_ema.sum() == 0 for ly in plain.layers.values())
     with pytest.raises(ValueError, match="factor_init='twos' is not one of"):
         FisherCollector(model(), factor_init="twos")
     copy = pickle.loads(pickle.dumps(opt))
-    assert copy.factor_init == "zeros"
+    assert copy.factor_init == "ones"
 
 
 def test_objects_pickled_before_the_setting_start_from_ones():

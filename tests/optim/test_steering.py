@@ -62,8 +62,12 @@ def test_steered_steps_equal_per_module_learning_rates(cls):
     ref_optimizer = cls.from_model(reference, groups, lr=1e-2, weight_decay=0.0)
     train(model, optimizer, 5)
     train(reference, ref_optimizer, 5)
+    # lr * scale and the group's lr may differ in their last bit, and float32 steps round:
+    # the drift of two trajectories, unit roundoff x 5 steps x 1 / damping (the smallest
+    # preconditioner entry), relative to the weights
+    drift = torch.finfo(torch.float32).eps / 2 * 5 / 1e-3
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        assert (p - q).norm() <= drift * q.norm()
     assert not torch.equal(model[0].weight, mlp()[0].weight)
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import recipe_config
+from torch import nn
 
-from hf_triaccel import quickstart
+from hf_triaccel import FisherCollector, quickstart
 from hf_triaccel.optim.config import AdaFisherConfig
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -36,6 +37,9 @@ def test_the_optimizer_defaults_are_the_chosen_ones(chosen):
     config = AdaFisherConfig()
     shipped = chosen["adafisher"]
     assert (config.ema, config.normalise) == (shipped["ema"], shipped["normalise"])
+    assert config.factor_init == shipped["factor_init"]
+    # a collector built alone seeds its factors as the optimizer's default says
+    assert FisherCollector(nn.Linear(2, 2)).factor_init == shipped["factor_init"]
     assert config.resolved_update_every == shipped["update_every"]
     assert (config.damping, config.lr) == (shipped["damping"], shipped["lr"])
 
@@ -59,7 +63,7 @@ def test_the_quickstart_gpu_plan_and_the_benchmarks_use_the_chosen_values(monkey
     assert comparison == chosen["comparison"]
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     harness = importlib.import_module("harness")
-    for arm, optimizer in (("adafisher", "adafisher"), ("adamw", "adamw"), ("sgd", "sgd")):
+    for arm, optimizer in ((chosen["rule"], "adafisher"), ("adamw", "adamw"), ("sgd", "sgd")):
         values = (arms[arm]["lr"], arms[arm]["weight_decay"])
         assert harness.HYPERPARAMETERS[optimizer] == values
         if optimizer in plan.hyperparameters:
