@@ -5,7 +5,10 @@ Every arm trains the same model (``--model``, default timm ``resnet18_cifar``) o
 same data path (decoded once, augmented on the GPU), batch, epochs, one-cycle schedule and
 label smoothing; only the optimizer differs. The arms (:data:`ARMS`):
 
-- ``adamw``: AdamW(fused); ``sgd``: SGD with Nesterov momentum 0.9 (fused);
+- ``adamw``: AdamW(fused); ``sgd``: SGD with Nesterov momentum 0.9 (fused); both decay
+  every parameter; ``adamw_exempt`` / ``sgd_exempt``: the same with biases and
+  normalisation weights undecayed, as every AdaFisher arm's groups (and timm's and the
+  Trainer's) have them;
 - ``adafisher``: AdaFisher (L2 decay), the published algorithm: the published fold rule
   (``ema="reference"``), a refresh every 100 steps, factors seeded with ones;
   ``adafisher_every20`` / ``adafisher_every5``: the same rule refreshed more often;
@@ -68,10 +71,12 @@ import train_cifar
 
 from hf_triaccel.data.images import ImageTensors
 
-# arm -> (train_cifar optimizer, its AdaFisher flags)
+# arm -> (train_cifar optimizer, its flags)
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "adamw": ("adamw", {}),
     "sgd": ("sgd", {}),
+    "adamw_exempt": ("adamw", {"decay": "exempt"}),
+    "sgd_exempt": ("sgd", {"decay": "exempt"}),
     "adafisher": ("adafisher", {"factor_init": "ones"}),
     "adafisher_every20": ("adafisher", {"update_every": 20, "factor_init": "ones"}),
     "adafisher_every5": ("adafisher", {"update_every": 5, "factor_init": "ones"}),

@@ -33,6 +33,7 @@ from hf_triaccel import AdaFisher, AdaFisherW
 from hf_triaccel.data.images import GPUBatchLoader, ImageTensors, load_image_dataset
 from hf_triaccel.integrations import timm_models  # noqa: F401  registers the CIFAR models
 from hf_triaccel.integrations.telemetry import environment as package_environment
+from hf_triaccel.optim.groups import param_groups
 
 if not torch.cuda.is_available():  # read when the package's kernels are first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -53,6 +54,7 @@ HYPERPARAMETERS = {
     "sgd_ema": (6.0, 5e-4),
 }
 MOMENTUM = 0.9  # SGD's, and AdaFisher's default beta
+DECAY_CHOICES = ("all", "exempt")  # make_optimizer's weight-decay groups of the torch optimizers
 
 
 def base_parser(
@@ -331,16 +333,29 @@ def build_model(
 
 
 def make_optimizer(
-    kind: str, model: nn.Module, *, lr=LR, weight_decay: float = WEIGHT_DECAY, **adafisher: Any
+    kind: str,
+    model: nn.Module,
+    *,
+    lr=LR,
+    weight_decay: float = WEIGHT_DECAY,
+    decay: str = "all",
+    **adafisher: Any,
 ) -> torch.optim.Optimizer:
     """``"adamw"`` (fused; capturable when ``lr`` is a tensor), ``"sgd"`` (Nesterov) or
     ``"sgd_ema"`` (AdaFisher's momentum, the curvature-off control; both fused on CUDA,
     else foreach), or ``"adafisher"`` / ``"adafisherw"`` built by ``from_model`` with
     ``adafisher`` (``impl``, ``update_every``, ...; the others ignore them). Names are
-    case-insensitive."""
+    case-insensitive. ``decay``, for the torch optimizers: ``"all"`` decays every
+    parameter; ``"exempt"`` leaves biases and normalisation weights undecayed, as
+    ``from_model`` groups AdaFisher's parameters (and as timm and transformers' Trainer
+    group theirs)."""
     kind = kind.lower()
-    params = [p for p in model.parameters() if p.requires_grad]
+    if decay not in DECAY_CHOICES:
+        raise ValueError(f"decay={decay!r}: choose one of {DECAY_CHOICES}")
+    params: list[Any] = [p for p in model.parameters() if p.requires_grad]
     fused = all(p.is_cuda for p in params)  # else foreach: fused SGD needs CUDA on older torch
+    if decay == "exempt":
+        params = param_groups(model, weight_decay)
     if kind == "adamw":
         return torch.optim.AdamW(
             params, lr=lr, weight_decay=weight_decay, fused=True, capturable=torch.is_tensor(lr)

@@ -75,6 +75,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=("bf16", "fp32", "adaptive"), default="bf16")
     parser.add_argument("--impl", choices=("triton", "foreach", "reference"))
     parser.add_argument(
+        "--decay",
+        choices=harness.DECAY_CHOICES,
+        default="all",
+        help="AdamW / SGD: decay every parameter, or exempt biases and normalisation weights "
+        "as AdaFisher's groups do (AdaFisher always exempts them)",
+    )
+    parser.add_argument(
         "--layout", choices=("channels_last", "nchw"), default="channels_last", help="model/data"
     )
     parser.add_argument("--lr_steering", action="store_true", help="StepSizeSteering (AdaFisher)")
@@ -164,7 +171,12 @@ def run(
     fisher.update({} if args.normalise is None else {"normalise": args.normalise})
     fisher.update({} if args.factor_init is None else {"factor_init": args.factor_init})
     optimizer = harness.make_optimizer(
-        args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay, **fisher
+        args.optimizer,
+        model,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        decay=args.decay,
+        **fisher,
     )
     every = {} if args.signals_every is None else {"signals_every": args.signals_every}
     plugin = TriAccelPlugin(
@@ -210,7 +222,7 @@ def run(
     timed = epochs[1:] if len(epochs) > 1 else epochs
     images_per_second = sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed)
     names = ("optimizer", "precision", "model", "lr", "weight_decay", "label_smoothing", "impl")
-    names += ("ema", "update_every", "normalise", "factor_init")
+    names += ("ema", "update_every", "normalise", "factor_init", "decay")
     names += ("batch_size", "layout", "channels_last", "seed", "data", "smoke")
     record = {name: getattr(args, name) for name in names}
     record.update(epochs=len(epochs), steps=args.total_steps, train_images=len(train_data))

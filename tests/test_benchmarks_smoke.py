@@ -598,6 +598,24 @@ def test_sgd_arms(bench, kind):
     assert group["dampening"] == (0.9 if kind == "sgd_ema" else 0.0)
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_baselines_decay_every_parameter_or_exempt_the_ones_adafisher_exempts(bench, kind):
+    harness = bench("harness")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    everything = harness.make_optimizer(kind, model, weight_decay=0.1)
+    assert [(len(g["params"]), g["weight_decay"]) for g in everything.param_groups] == [(4, 0.1)]
+    exempt = harness.make_optimizer(kind, model, weight_decay=0.1, decay="exempt")
+    ours = harness.make_optimizer("adafisher", model, weight_decay=0.1)
+    for groups in (exempt.param_groups, ours.param_groups):
+        assert [(g["params"], g["weight_decay"]) for g in groups] == [
+            ([model[0].weight], 0.1),
+            ([model[0].bias, model[1].weight, model[1].bias], 0.0),
+        ]
+    ours.collector.remove()
+    with pytest.raises(ValueError, match="decay='some': choose one of"):
+        harness.make_optimizer(kind, model, decay="some")
+
+
 def test_fisher_ranges_smoke(bench, capsys):
     fisher_ranges = bench("fisher_ranges")
     result = fisher_ranges.main(["--smoke", "--steps", "1"])
