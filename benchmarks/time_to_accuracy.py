@@ -373,6 +373,8 @@ def plot(summary: dict[tuple, dict], records: list[dict[str, Any]], path: Path) 
         for arm in arms:
             runs = entry["arms"].get(arm, {})
             budgets = [b for b in sorted(runs) if runs[b]["seconds"]]
+            if not budgets:  # an arm not run (or not timed) in this comparison
+                continue
             seeds = [
                 [100 * r["test_accuracy"] for r in records if run_of(r, key, arm, b, runs[b])]
                 for b in budgets
