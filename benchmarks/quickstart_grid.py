@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags += [] if args.max_steps is None else ["--max_steps", str(args.max_steps)]
         base = quickstart.parse_args(flags)
         weight_decay = base.plan.hyperparameters[name][1]
-        seed = factor_init({"optimizer": name, "factor_init": AdaFisherConfig().factor_init})
+        seed = AdaFisherConfig().factor_init if name.startswith("adafisher") else None
         for lr in args.lrs:
             plan = dataclasses.replace(base.plan, hyperparameters={name: (lr, weight_decay)})
             run_args = argparse.Namespace(**{**vars(base), "plan": plan})

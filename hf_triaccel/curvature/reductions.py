@@ -129,9 +129,10 @@ def reducer(
     if resolve_impl(impl, example.device) == "triton" and example.numel():
         from hf_triaccel.kernels.stats import reduction_launch
 
-        launch = reduction_launch(v, square, tail)
-        if launch is not None and v.data_ptr() == example.data_ptr():
-            return launch  # reads each input where it is
+        if v.data_ptr() == example.data_ptr():  # a view, not a copy
+            launch = reduction_launch(v, square, tail)
+            if launch is not None:
+                return launch  # reads each input where it is
         launch = reduction_launch(v.contiguous(), square, tail)
 
         def copied(x: torch.Tensor, out: torch.Tensor, scale=1.0, accumulate=False) -> None:

@@ -1,6 +1,7 @@
 """A plain float64 implementation of AdaFisher (docs/design.md, "AdaFisher"), written
 independently of the package, for a Conv2d / BatchNorm2d / Linear model. Tests compare
-the package to it."""
+the package to it, and two float32 trajectories to each other, within
+:func:`rounding_bound`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,20 @@ def _normalise(x: torch.Tensor, relative: bool) -> torch.Tensor:
     span = x.max() - x.min()
     tiny = torch.finfo(torch.float32).tiny
     return (x - x.min()) / (span * (1 + 1e-6) + tiny if relative else span + 1e-6)
+
+
+def rounding_bound(dtype: torch.dtype, steps: int, damping: float) -> float:
+    """How far a trajectory run in ``dtype`` may drift from exact arithmetic, relative
+    to the parameters' norm: unit roundoff x steps x 1 / damping.
+
+    Each step rounds its result at unit roundoff u (``eps / 2``), and the steps' errors
+    add up. The condition factor is 1 / damping: the preconditioner F = g * a + damping
+    is at least ``damping``, and its factors are normalised to [0, 1] (``ema="paper"``)
+    or are smaller still (``ema="reference"``), so a rounding error of u in a factor
+    entry is a relative error of up to u / damping in F, hence in the step, where F
+    is smallest.
+    """
+    return torch.finfo(dtype).eps / 2 * steps / damping
 
 
 class OracleAdaFisher:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_triaccel import AdaFisher, AdaFisherW, FisherCollector
-from tests.optim.oracle import OracleAdaFisher
+from tests.optim.oracle import OracleAdaFisher, rounding_bound
 
 
 def small_cnn() -> nn.Module:
@@ -77,20 +77,6 @@ def max_rel_diff(m1: nn.Module, m2: nn.Module) -> float:
         ((p1.double() - p2.double()).norm() / p2.double().norm()).item()
         for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=True)
     )
-
-
-def rounding_bound(dtype: torch.dtype, steps: int, damping: float) -> float:
-    """How far a trajectory run in ``dtype`` may drift from exact arithmetic, relative
-    to the parameters' norm: unit roundoff x steps x 1 / damping.
-
-    Each step rounds its result at unit roundoff u (``eps / 2``), and the steps' errors
-    add up. The condition factor is 1 / damping: the preconditioner F = g * a + damping
-    is at least ``damping``, and its factors are normalised to [0, 1] (``ema="paper"``)
-    or are smaller still (``ema="reference"``), so a rounding error of u in a factor
-    entry is a relative error of up to u / damping in F, hence in the step, where F
-    is smallest.
-    """
-    return torch.finfo(dtype).eps / 2 * steps / damping
 
 
 @pytest.mark.parametrize("cls", [AdaFisher, AdaFisherW])

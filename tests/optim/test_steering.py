@@ -13,6 +13,7 @@ from torch import nn
 
 from hf_triaccel import AdaFisher, AdaFisherW, SignalTracker
 from hf_triaccel.optim.steering import StepSizeSteering
+from tests.optim.oracle import rounding_bound
 
 
 def mlp() -> nn.Sequential:
@@ -63,9 +64,8 @@ def test_steered_steps_equal_per_module_learning_rates(cls):
     train(model, optimizer, 5)
     train(reference, ref_optimizer, 5)
     # lr * scale and the group's lr may differ in their last bit, and float32 steps round:
-    # the drift of two trajectories, unit roundoff x 5 steps x 1 / damping (the smallest
-    # preconditioner entry), relative to the weights
-    drift = torch.finfo(torch.float32).eps / 2 * 5 / 1e-3
+    # the drift of two trajectories over the 5 steps, relative to the weights
+    drift = rounding_bound(torch.float32, 5, 1e-3)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert (p - q).norm() <= drift * q.norm()
     assert not torch.equal(model[0].weight, mlp()[0].weight)
