@@ -86,6 +86,10 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "adafisher_paper_relative": ("adafisher", {"ema": "paper", "normalise": "relative"}),
     "adafisher_relative": ("adafisher", {"normalise": "relative", "factor_init": "ones"}),
     "adafisher_zeros": ("adafisher", {"factor_init": "zeros"}),
+    # the Trainer's default clipping (max_grad_norm 1.0)
+    "adamw_clip": ("adamw", {"max_grad_norm": 1.0}),
+    "sgd_clip": ("sgd", {"max_grad_norm": 1.0}),
+    "adafisher_zeros_clip": ("adafisher", {"factor_init": "zeros", "max_grad_norm": 1.0}),
 }
 RESULTS = harness.REPO_ROOT / "benchmarks" / "results" / "equal_epochs.jsonl"
 SMOKE_GRID = ("adamw:lr=3e-3:wd=0.05", "curvature_off:lr=3:wd=5e-4", "adafisher_paper:lr=1e-2")

@@ -36,6 +36,7 @@ Usage:
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -63,6 +64,7 @@ CHOICE_MODEL, CHOICE_EPOCHS, CHOICE_BATCH = equal_epochs.MODEL, 15, 512
 RECIPES = {"cifar10": "cifar10_resnet18", "cifar100": "cifar100_resnet18"}
 DEFAULT_FROM = "cifar10"  # the optimizer's default lr: the choice on this data set
 PUBLISHED = "adafisher"  # the published algorithm, the default unless an arm clearly beats it
+PLOT_SEEDS = 3  # the plot's points: budgets run at this many seeds
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -318,7 +320,14 @@ def chosen_values(records: list[dict[str, Any]]) -> dict[str, Any]:
             and all(chosen(stage.get(d, {}), arm) for d in RECIPES)
         )
 
-    adafisher_arms = [a for a, (opt, _) in equal_epochs.ARMS.items() if opt == "adafisher"]
+    # candidates: AdaFisher arms that differ in the optimizer's settings only (not, say, in
+    # the loop's clipping)
+    settings = {f.name for f in dataclasses.fields(AdaFisherConfig)}
+    adafisher_arms = [
+        a
+        for a, (opt, flags) in equal_epochs.ARMS.items()
+        if opt == "adafisher" and settings >= set(flags)
+    ]
     winners = [a for a in adafisher_arms if a != PUBLISHED and beats(a)]
     rule = max(winners, key=lambda a: chosen(stage[DEFAULT_FROM], a)["mean"], default=PUBLISHED)
     config = AdaFisherConfig(**equal_epochs.ARMS[rule][1])
@@ -353,10 +362,10 @@ def chosen_values(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(summary: dict[tuple, dict], records: list[dict[str, Any]], path: Path) -> None:
-    """Accuracy against training time, one panel per data set and batch size with more
-    than one budget: both baselines, the published algorithm and the shipped rule, a point
-    per budget (the mean over seeds, a bar from the lowest to the highest seed where there
-    are several), the target dashed."""
+    """Accuracy against training time: both baselines, the published algorithm and the
+    shipped rule, a point per budget run at :data:`PLOT_SEEDS` seeds or more (their mean,
+    a bar from the lowest to the highest seed), the target dashed; one panel per data set
+    and batch size in which the shipped rule has two such budgets."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -364,27 +373,31 @@ def plot(summary: dict[tuple, dict], records: list[dict[str, Any]], path: Path) 
 
     shipped = chosen_values(records)["rule"]
     arms = tuple(dict.fromkeys((*BASELINES, PUBLISHED, shipped)))
-    keys = sorted(
-        k for k in summary if len({b for runs in summary[k]["arms"].values() for b in runs}) > 1
-    )
+
+    def budgets(runs: dict[int, dict]) -> list[int]:
+        return [b for b in sorted(runs) if runs[b]["seconds"] and runs[b]["seeds"] >= PLOT_SEEDS]
+
+    keys = sorted(k for k in summary if len(budgets(summary[k]["arms"].get(shipped, {}))) > 1)
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         entry = summary[key]
-        for arm in arms:
+        for colour, arm in enumerate(arms):  # an arm keeps its colour in every panel
             runs = entry["arms"].get(arm, {})
-            budgets = [b for b in sorted(runs) if runs[b]["seconds"]]
-            if not budgets:  # an arm not run (or not timed) in this comparison
+            shown = budgets(runs)
+            if not shown:  # an arm not run (timed, seeded) enough in this comparison
                 continue
             seeds = [
                 [100 * r["test_accuracy"] for r in records if run_of(r, key, arm, b, runs[b])]
-                for b in budgets
+                for b in shown
             ]
-            mean = [runs[b]["accuracy"] for b in budgets]
+            mean = [runs[b]["accuracy"] for b in shown]
             low = [m - min(s) for m, s in zip(mean, seeds, strict=True)]
             high = [max(s) - m for m, s in zip(mean, seeds, strict=True)]
-            x = [runs[b]["seconds"] for b in budgets]
+            x = [runs[b]["seconds"] for b in shown]
             label = f"{arm} (shipped)" if arm == shipped else arm
-            ax.errorbar(x, mean, yerr=[low, high], marker="o", capsize=3, label=label)
+            ax.errorbar(
+                x, mean, yerr=[low, high], marker="o", capsize=3, label=label, color=f"C{colour}"
+            )
         if entry["target"] is not None:
             ax.axhline(entry["target"], color="grey", linestyle="--", linewidth=1)
         ax.set(title=f"{key[0]}, {key[1]}, batch {key[2]}", xlabel="training time (s)")

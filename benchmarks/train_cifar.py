@@ -43,6 +43,11 @@ OPTIONS = {
     "lr": (float, None, "peak learning rate (default: the optimizer's)"),
     "weight_decay": (float, None, "weight decay (default: the optimizer's)"),
     "label_smoothing": (float, 0.1, "label smoothing"),
+    "max_grad_norm": (
+        float,
+        None,
+        "clip the gradients' global norm to this (default: no clipping)",
+    ),
     "signals_every": (int, None, "adaptive precision: steps between two rankings"),
     "precision_map": (Path, None, "adaptive precision: write the map to this PNG"),
     "model": (str, "resnet18_cifar", "timm model"),
@@ -204,6 +209,7 @@ def run(
         lr=args.lr,
         bf16=bf16,
         label_smoothing=args.label_smoothing,
+        max_grad_norm=args.max_grad_norm,
         log=lambda line: print(line, file=sys.stderr),
         desc=args.optimizer,
         progress=False,
@@ -222,7 +228,7 @@ def run(
     timed = epochs[1:] if len(epochs) > 1 else epochs
     images_per_second = sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed)
     names = ("optimizer", "precision", "model", "lr", "weight_decay", "label_smoothing", "impl")
-    names += ("ema", "update_every", "normalise", "factor_init", "decay")
+    names += ("ema", "update_every", "normalise", "factor_init", "decay", "max_grad_norm")
     names += ("batch_size", "layout", "channels_last", "seed", "data", "smoke")
     record = {name: getattr(args, name) for name in names}
     record.update(epochs=len(epochs), steps=args.total_steps, train_images=len(train_data))

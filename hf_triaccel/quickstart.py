@@ -140,6 +140,7 @@ def train_loop(
     lr: float,
     bf16: bool,
     label_smoothing: float = LABEL_SMOOTHING,
+    max_grad_norm: float | None = None,
     log: Callable[[str], None] = tqdm.write,
     desc: str = "training",
     progress: bool = True,
@@ -172,6 +173,8 @@ def train_loop(
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
             loss.backward()
+            if max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()

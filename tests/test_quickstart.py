@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hf_triaccel import quickstart
+from hf_triaccel.data.images import GPUBatchLoader, ImageTensors
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
 from hf_triaccel.optim.config import AdaFisherConfig
 from hf_triaccel.quickstart import (
@@ -20,6 +21,7 @@ from hf_triaccel.quickstart import (
     build_optimizer,
     main,
     parse_args,
+    train_loop,
 )
 
 
@@ -131,3 +133,32 @@ def test_the_cpu_plan_takes_the_best_of_its_grid_inside_it():
         lrs = sorted(grid)
         assert max(grid, key=grid.get) == lr
         assert 0 < lrs.index(lr) < len(lrs) - 1
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1e-3])
+def test_train_loop_clips_the_global_gradient_norm(max_grad_norm):
+    """Plain SGD moves the parameters by lr_t x the clipped gradient each step, so with
+    clipping the whole move is at most the sum of the schedule's rates x the norm bound
+    (float32 roundoff aside); without it the same run moves far more."""
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (32, 3, 8, 8), generator=gen, dtype=torch.uint8)
+    data = ImageTensors(images, torch.randint(0, 4, (32,), generator=gen), list("abcd"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 4))
+    start = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps, lr = 8, 0.1
+    train_loop(
+        model,
+        optimizer,
+        GPUBatchLoader(data, 8, shuffle=True),
+        total_steps=steps,
+        lr=lr,
+        bf16=False,
+        max_grad_norm=max_grad_norm,
+        log=lambda line: None,
+        progress=False,
+    )
+    moved = (torch.cat([p.detach().flatten() for p in model.parameters()]) - start).norm()
+    bound = steps * lr * 1e-3 * (1 + 1e-5)  # every rate of the one-cycle schedule <= lr
+    assert (moved <= bound) if max_grad_norm else (moved > 10 * bound)
