@@ -378,6 +378,11 @@ def plot(summary: dict[tuple, dict], records: list[dict[str, Any]], path: Path) 
         return [b for b in sorted(runs) if runs[b]["seconds"] and runs[b]["seeds"] >= PLOT_SEEDS]
 
     keys = sorted(k for k in summary if len(budgets(summary[k]["arms"].get(shipped, {}))) > 1)
+    if not keys:
+        raise ValueError(
+            f"nothing to plot: no comparison has two budgets of {shipped} run at "
+            f"{PLOT_SEEDS} seeds or more"
+        )
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         entry = summary[key]
