@@ -29,6 +29,9 @@ label smoothing; only the optimizer differs. The arms (:data:`ARMS`):
   first refresh leaves each factor about ten times its settled scale and the step grows
   about 7x at the second refresh (step ``update_every``); from zeros it starts near its
   settled size.
+- ``adamw_clip`` / ``sgd_clip`` / ``adafisher_zeros_clip``: those arms with the
+  gradients' global norm clipped to 1.0 before each step, as the Trainer's default
+  ``max_grad_norm`` clips (the loop's only difference from the unclipped arms).
 
 The arms measured before the package's default seed became zeros name
 ``factor_init="ones"`` so that they stay the runs they were.
@@ -86,7 +89,6 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "adafisher_paper_relative": ("adafisher", {"ema": "paper", "normalise": "relative"}),
     "adafisher_relative": ("adafisher", {"normalise": "relative", "factor_init": "ones"}),
     "adafisher_zeros": ("adafisher", {"factor_init": "zeros"}),
-    # the Trainer's default clipping (max_grad_norm 1.0)
     "adamw_clip": ("adamw", {"max_grad_norm": 1.0}),
     "sgd_clip": ("sgd", {"max_grad_norm": 1.0}),
     "adafisher_zeros_clip": ("adafisher", {"factor_init": "zeros", "max_grad_norm": 1.0}),
