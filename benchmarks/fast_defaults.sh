@@ -18,7 +18,8 @@
 # --long runs the acceptance stages instead, in one call of under 10 minutes:
 #   1-3. recipe, loop, recipe_compile: `accelerate launch recipes/train.py --recipe
 #      cifar10_resnet18` (30 epochs, its defaults) against a hand-written channels-last bf16
-#      AdamW(fused) loop on the same data, epochs and batch (train_cifar.py), then the
+#      AdamW(fused) loop on the same data, epochs and batch, clipping the gradients' norm at
+#      the Trainer's default 1.0 as the recipe does (train_cifar.py), then the
 #      recipe with --torch_compile true: samples/s, wall time, accuracy, compile seconds.
 #   4. elastic: TriAccelTrainer with the elastic batch against the micro-batch and
 #      accumulation it settles on without elasticity (bench_elastic.py): samples/s.
@@ -133,13 +134,13 @@ long_stages() {
     launch=("$PY" -m accelerate.commands.launch --num_processes 1 --num_machines 1
         --mixed_precision no --dynamo_backend no)
     recipe=(recipes/train.py --recipe cifar10_resnet18 --dataset "$data" --disable_tqdm true)
-    loop=(--epochs 30 --batch_size 512)
+    loop=(--epochs 30 --batch_size 512 --max_grad_norm 1.0)
     elastic=(--steps 60)
     tta=(--budgets 10)
     if [[ ${#smoke[@]} -gt 0 ]]; then
         recipe+=(--model test_resnet --use_cpu --max_steps 4 --per_device_train_batch_size 8
             --per_device_eval_batch_size 100 --logging_steps 1 --plot false)
-        loop=(--batch_size 8 --max_steps 3)
+        loop=(--batch_size 8 --max_steps 3 --max_grad_norm 1.0)
         elastic=()
         tta=(--budgets 1)
     fi

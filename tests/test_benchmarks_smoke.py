@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainingArguments
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -490,6 +491,9 @@ def test_fast_defaults_long_script_smoke(tmp_path):
     ratio = runs["recipe"]["samples_per_second"] / runs["loop"]["samples_per_second"]
     assert checks["recipe / loop, training samples/s"]["value"] == pytest.approx(ratio)
     assert acceptance["elastic_vs_fixed"] > 0
+    # the loop clips as the recipe's Trainer does, at its default norm
+    loop = json.loads((tmp_path / "loop" / "train_cifar.json").read_text())
+    assert loop["max_grad_norm"] == TrainingArguments(output_dir=str(tmp_path)).max_grad_norm
     # the sanity budget: one run per optimizer, in the grid's format
     records = (tmp_path / "time_to_accuracy" / "time_to_accuracy.jsonl").read_text().splitlines()
     assert [json.loads(r)["arm"] for r in records] == ["adamw", "adafisher"]
