@@ -13,7 +13,7 @@ from the accuracy grid of the full CIFAR-10, the CPU's from a grid of this very 
 images are decoded once into a uint8 tensor on the device and batched, augmented and
 normalised there (:class:`~hf_triaccel.data.images.GPUBatchLoader`). It prints each
 run's test accuracy, training time and time per step side by side. On CUDA each optimizer
-first runs :data:`CUDA_WARMUP_STEPS` steps on a throwaway model, so that kernel compilation and
+first runs :data:`CUDA_WARMUP_STEPS` steps on a throwaway model: kernel compilation and
 cuDNN's algorithm search stay out of the timed run.
 
 - On a GPU it trains the CIFAR recipes' model, timm ``resnet18_cifar``, for
@@ -75,8 +75,7 @@ GPU_PLAN = Plan(
         "adafisherw": (3e-3, 5e-4),
     },
 )
-# The CPU plan's values: the best of its own grid on the embedded slice
-# (benchmarks/quickstart_grid.py, BENCHMARKS.md)
+# The CPU plan: the best of its own grid on the embedded slice (benchmarks/quickstart_grid.py)
 CPU_PLAN = Plan(
     batch_size=64,
     epochs=2,
@@ -146,11 +145,11 @@ def train_loop(
     progress: bool = True,
 ) -> list[dict[str, float]]:
     """Trains ``total_steps`` steps under a one-cycle schedule peaking at ``lr``, with
-    cross-entropy and ``label_smoothing``; ``log`` receives a line per epoch, and
-    ``progress`` shows a progress bar over the steps.
+    cross-entropy and ``label_smoothing``, the gradients' norm clipped to ``max_grad_norm``
+    if given (as the Trainer clips); ``log`` gets a line per epoch, ``progress`` a bar.
 
-    Loss and accuracy sums stay on the device; the one read-back per epoch also makes
-    each epoch's ``seconds`` cover all of its device work.
+    Loss and accuracy sums stay on the device: the one read-back per epoch makes each
+    epoch's ``seconds`` cover all of its device work.
 
     Returns:
         Per epoch: ``train_loss``, ``train_accuracy``, ``samples`` and ``seconds``.
