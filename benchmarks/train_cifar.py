@@ -172,9 +172,8 @@ def run(
     train_loader = harness.image_batches(train_data, args.batch_size, seed=args.seed, **common)
     test_loader = GPUBatchLoader(test_data, 1024, **common)
     fisher = {"impl": args.impl, "update_every": args.update_every}
-    fisher.update({} if args.ema is None else {"ema": args.ema})
-    fisher.update({} if args.normalise is None else {"normalise": args.normalise})
-    fisher.update({} if args.factor_init is None else {"factor_init": args.factor_init})
+    chosen = {k: getattr(args, k) for k in ("ema", "normalise", "factor_init")}
+    fisher.update({k: v for k, v in chosen.items() if v is not None})  # else the optimizer's
     optimizer = harness.make_optimizer(
         args.optimizer,
         model,

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
 from hf_triaccel.optim.config import AdaFisherConfig
 from hf_triaccel.optim.groups import param_groups
@@ -106,9 +105,7 @@ def build_adafisher(
     """
     cls = OPTIMIZERS[optimizer_name(optimizer, "optimizer")]
     config = config or AdaFisherConfig()
-    collector = FisherCollector(
-        model, ema=config.ema, factor_init=config.factor_init, impl=config.impl
-    )
+    collector = config.build_collector(model)
     collector.grad_scaler = grad_scaler
     if params is None:
         params = param_groups(model, config.weight_decay)

@@ -124,10 +124,6 @@ class TriAccelPlugin(AdaFisherConfig):
         """Hyperparameters of the optimizer constructor."""
         return self.adafisher_config().optimizer_kwargs()
 
-    def build_collector(self, model: nn.Module) -> FisherCollector:
-        """The Fisher collector for ``model`` (unwrap DDP/compile wrappers first)."""
-        return FisherCollector(model, ema=self.ema, factor_init=self.factor_init, impl=self.impl)
-
     def build_optimizer(
         self, model: nn.Module, params: Any = None, grad_scaler: torch.amp.GradScaler | None = None
     ) -> AdaFisher:

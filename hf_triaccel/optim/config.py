@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from hf_triaccel._types import DEFAULT_FACTOR_INIT, EMA_MODES, FACTOR_INITS, NORMALISE_MODES
+from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.dispatch import validate_impl
 
 DEFAULT_LR = 1.2e-2
@@ -250,3 +252,15 @@ class AdaFisherConfig:
     def optimizer_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of the AdaFisher / AdaFisherW constructor."""
         return dataclasses.asdict(self)
+
+    def build_collector(self, model: nn.Module) -> FisherCollector:
+        """The Fisher collector for ``model`` that an optimizer of this configuration
+        accepts (same ``ema`` and ``factor_init``); unwrap DDP/compile wrappers first.
+
+        Example:
+            >>> collector = AdaFisherConfig(factor_init="ones").build_collector(nn.Linear(4, 2))
+            >>> collector
+            FisherCollector(layers=1, ema='reference', factor_init='ones')
+            >>> collector.remove()
+        """
+        return FisherCollector(model, ema=self.ema, factor_init=self.factor_init, impl=self.impl)
