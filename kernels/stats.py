@@ -318,11 +318,13 @@ class ReductionLaunch:
     then ``value`` last (where a normalisation layer's sums keep their size entry).
     """
 
-    __slots__ = ("kernel", "grid", "kwargs", "part", "tickets", "compiled", "template", "at")
+    __slots__ = ("kernel", "grid", "kwargs", "part", "tickets", "compiled", "template", "at", "rows")
 
-    def __init__(self, kernel, grid, sizes, meta, splits, n, device, tail):
+    def __init__(self, kernel, grid, sizes, meta, splits, n, device, tail, rows=None):
         self.kernel = kernel
         self.grid = grid
+        # a row sum's (rows, columns, row stride, square, tail), for grouped launches
+        self.rows = rows
         block = meta[_BLOCK_KEY[kernel]]
         self.kwargs = dict(
             sizes,
@@ -411,8 +413,9 @@ def rows_launch(
     args["rows_per_split"] = blocks_per_split * block_n
     meta = {"SQUARE": square, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": _NUM_WARPS}
     return ReductionLaunch(
-        _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail
-    )
+        _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail,
+        rows=(n, d, stride_row, square, tail),
+    )  # fmt: skip
 
 
 def channels_launch(

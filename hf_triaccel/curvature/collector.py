@@ -1,10 +1,9 @@
 """The Fisher collector: owns the hooks and the per-layer factors.
 
-The collector decides *which* modules carry factors (by :func:`rule_for`), takes
-their statistics with removable hooks while :attr:`FisherCollector.collecting` is on,
-accumulates them over micro-batches, and folds them into the running factors once
-per optimizer step (:meth:`FisherCollector.fold`). *When* to collect is the
-optimizer's decision. The hooks are registered only while collecting: the steps between
+The collector decides *which* modules carry factors (by :func:`rule_for`), takes their
+statistics with removable hooks while :attr:`FisherCollector.collecting` is on, adds them
+over micro-batches, and folds them into the running factors once per optimizer step
+(:meth:`FisherCollector.fold`). *When* to collect is the optimizer's decision. The hooks are registered only while collecting: the steps between
 two refreshes run the model unhooked, at no host cost (:mod:`~hf_triaccel.curvature.hooks`).
 
 Parameters are matched to their factors by identity, looked up as the modules hold them
@@ -13,13 +12,11 @@ gets the slice of its factors that its local rows read
 (:mod:`~hf_triaccel.curvature.sharding`).
 
 A refresh step runs the hooks of every layer, so they are kept to the device work
-itself: each writes its sums straight into a preallocated buffer of the layer
-(:class:`~hf_triaccel.curvature.layer.LayerFactors`) through its rule
-(:meth:`FisherRule.a_write` / :meth:`FisherRule.g_write`: for the built-in rules, one
-kernel launch, and a matrix product for a convolution's activations), with no host
+itself: each writes its sums into a preallocated buffer of the layer
+(:class:`~hf_triaccel.curvature.layer.LayerFactors`) through its rule, with no host
 synchronisation or per-call shape arithmetic once a layer has seen its input's shape and
-strides.
-Everything else is left to :meth:`FisherCollector.fold`, once per refresh, in batched
+strides; the built-in rules' reductions are queued and launched together
+(:mod:`~hf_triaccel.curvature.batching`). Everything else is left to :meth:`FisherCollector.fold`, once per refresh, in batched
 operations over all layers: merging the micro-batches' sums, adding them over processes,
 the finish that makes statistics of them (means, squares of sums, constant entries:
 :mod:`~hf_triaccel.curvature.finish`) and the loss scale.
@@ -36,7 +33,8 @@ from torch import nn
 
 from hf_triaccel._types import DEFAULT_FACTOR_INIT, EMA_MODES, FACTOR_INITS, ParamFactors
 from hf_triaccel.curvature.averaging import DevicePlan, device_plan, finish_step
-from hf_triaccel.curvature.hooks import ActivationHook, OutputHook
+from hf_triaccel.curvature.batching import RefreshBatches
+from hf_triaccel.curvature.hooks import ActivationHook, LayerHook, OutputHook
 from hf_triaccel.curvature.layer import LayerFactors
 from hf_triaccel.curvature.rules import FisherRule, rule_for
 from hf_triaccel.curvature.sharding import local_factors, local_rows
@@ -109,6 +107,7 @@ class FisherCollector:
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.generation = 0
         self.layers: dict[str, LayerFactors] = {}
+        self.batches = RefreshBatches()  # the statistics queued by the hooks
         # the folds of each set of ready layers, valid for the generation they were made in
         self._fold_cache: tuple[int, dict[tuple[str, ...], list[DevicePlan]]] = (0, {})
         unknown = set(exclude) - {n for n, _ in model.named_modules()}
@@ -141,8 +140,6 @@ class FisherCollector:
         zeros = self.ema == "paper" or self.factor_init == "zeros"
         layer = LayerFactors.create(name, module, rule, layouts, self.ema == "paper", zeros)
         self.layers[name] = layer
-
-    # -- hooks ----------------------------------------------------------------------
 
     @property
     def attached(self) -> bool:
@@ -199,28 +196,27 @@ class FisherCollector:
         if model is not None and _ATTACHED.get(model) is self:
             del _ATTACHED[model]
 
-    def remove(self) -> None:
-        """Same as :meth:`detach`."""
-        self.detach()
-
+    remove = detach
     def _register(self) -> None:
         for layer in self.layers.values():
             if layer.handles:
                 continue
+            module = layer.module
+            if layer.output_module is module:
+                hook = LayerHook(self, layer)
+                layer.handles.append(module.register_forward_hook(hook, with_kwargs=True))
+                continue
             layer.handles += (
-                layer.module.register_forward_pre_hook(
-                    ActivationHook(self, layer), with_kwargs=True
-                ),
+                module.register_forward_pre_hook(ActivationHook(self, layer), with_kwargs=True),
                 layer.output_module.register_forward_hook(OutputHook(self, layer)),
             )
 
     def _unregister(self) -> None:
+        self.batches.flush()  # what the hooks queued still counts
         for layer in self.layers.values():
             for handle in layer.handles:
                 handle.remove()
             layer.handles.clear()
-
-    # -- parameters -----------------------------------------------------------------
 
     def _params(self) -> dict[torch.Tensor, tuple[LayerFactors, str]]:
         """Every covered parameter, as its module holds it now, with its layer and name."""
@@ -300,6 +296,7 @@ class FisherCollector:
         scale from the gradient statistics, and resets the accumulators. Layers that saw
         no complete forward/backward since the last fold keep their factors.
         """
+        self.batches.flush()
         ready = [ly for ly in self.layers.values() if ly.a_count and ly.g_count]
         if ready:
             self._fold_ready(ready, gamma, normalise)
@@ -370,7 +367,8 @@ class FisherCollector:
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the folds (they hold this collector's addresses), with the model,
         so that a copy hooks the copy of the model."""
-        state = {k: v for k, v in vars(self).items() if k not in ("_fold_cache", "_model_ref")}
+        skip = ("_fold_cache", "_model_ref", "batches")
+        state = {k: v for k, v in vars(self).items() if k not in skip}
         state["model"] = self._model_ref()
         return state
 
@@ -378,7 +376,7 @@ class FisherCollector:
         model = state.pop("model")
         state.setdefault("factor_init", "ones")  # pickled before the setting existed
         self.__dict__.update(state)
-        self._fold_cache = (0, {})
+        self._fold_cache, self.batches = (0, {}), RefreshBatches()
         self._model_ref = _no_model if model is None else weakref.ref(model)
         self._unregister()  # the copied modules hold inert stand-ins of the original's hooks
         if self._attached:

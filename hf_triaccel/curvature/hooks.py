@@ -3,7 +3,8 @@
 :class:`ActivationHook` (a forward pre-hook) writes the activation sums of a layer's
 input into a slot; :class:`OutputHook` (a forward hook on the layer, or on the
 submodule whose output gradient the rule reads) pairs that slot with the gradient of
-the output, which confirms it. The
+the output, which confirms it; :class:`LayerHook` does both, for a layer whose own
+output gradient is read. The
 :class:`~hf_triaccel.curvature.collector.FisherCollector` registers them before the
 forward of a refresh step and removes them after its fold, so that ordinary steps run
 the model unhooked.
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hf_triaccel.curvature.batching import activate
 from hf_triaccel.curvature.layer import LayerFactors
 
 if TYPE_CHECKING:
@@ -56,6 +58,15 @@ def in_checkpoint_recompute() -> bool:
         # a torch without this query: take the statistic; the recompute's output gets no
         # gradient, so it is never confirmed and still counts once
         return False
+
+
+def _kept(layer: LayerFactors, module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the forward of ``module`` keeps ``x`` itself for the backward: its rule
+    says so, and autocast does not cast it first."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
+        return False
+    return layer.rule.input_saved(module)
 
 
 class InertHook:
@@ -89,15 +100,7 @@ class _StatisticsHook:
 
 
 class ActivationHook(_StatisticsHook):
-    """Forward pre-hook: the activation sums of the layer's input, in a new slot.
-
-    Example:
-        >>> from hf_triaccel.curvature.collector import FisherCollector
-        >>> collector = FisherCollector(nn.Linear(3, 2))
-        >>> [type(h).__name__ for h in collector.layers[""].module._forward_pre_hooks.values()]
-        ['ActivationHook']
-        >>> collector.detach()
-    """
+    """Forward pre-hook: the activation sums of the layer's input, in a new slot."""
 
     __slots__ = ()
 
@@ -107,9 +110,17 @@ class ActivationHook(_StatisticsHook):
         if module is not layer.module or not torch.is_grad_enabled() or in_checkpoint_recompute():
             return
         x = args[0] if args else next(iter(kwargs.values()))
+        collector = self.collector
         if layer.follow(getattr(module, layer.anchor).device):
-            self.collector.generation += 1  # whoever cached the factors' addresses
-        layer.take_activation(module, x.detach(), self.collector.impl)
+            collector.generation += 1  # whoever cached the factors' addresses
+        # an input the forward keeps anyway can wait for the backward, with the others
+        batch = collector.batches.activations if _kept(layer, module, x) else None
+        layer.kept_bytes = 0 if batch is None else x.nbytes
+        previous = activate(batch)
+        try:
+            layer.take_activation(module, x.detach(), collector.impl)
+        finally:
+            activate(previous)
 
 
 class OutputHook(_StatisticsHook):
@@ -130,11 +141,37 @@ class OutputHook(_StatisticsHook):
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         impl = self.collector.impl
+        batches = self.collector.batches
 
         def grad_hook(grad: torch.Tensor) -> None:
+            batches.backward_started()
             layer.confirm(pending)
             if grad.requires_grad:  # a backward that builds a graph (create_graph)
                 grad = grad.detach()
-            layer.take_gradient(grad, impl)
+            previous = activate(batches.gradients)
+            try:
+                layer.take_gradient(grad, impl)
+            finally:
+                activate(previous)
+            batches.gradient_taken(layer.kept_bytes)
 
         output.register_hook(grad_hook)
+
+
+class LayerHook(ActivationHook, OutputHook):
+    """Both in one forward hook (with keyword arguments), for a layer whose own output
+    gradient its rule reads: one hook call per layer and forward instead of two.
+
+    Example:
+        >>> from hf_triaccel.curvature.collector import FisherCollector
+        >>> collector = FisherCollector(nn.Linear(3, 2))
+        >>> [type(h).__name__ for h in collector.layers[""].module._forward_hooks.values()]
+        ['LayerHook']
+        >>> collector.detach()
+    """
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any):
+        ActivationHook.__call__(self, module, args, kwargs)
+        OutputHook.__call__(self, module, args, output)

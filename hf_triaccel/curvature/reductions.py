@@ -15,11 +15,13 @@ the step's sums: :mod:`hf_triaccel.curvature.finish`.)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from hf_triaccel._types import check_statistic_out
+from hf_triaccel.curvature.batching import queue_or_launch
 from hf_triaccel.dispatch import resolve_impl
 
 Reduction = Callable[..., torch.Tensor]
@@ -114,7 +116,8 @@ def reducer(
     with ``tail=(length, value)``, ``length`` more entries after them: zeros, ``value``
     last. With Triton, whenever a kernel reads the view in place, that is one kernel
     launch (:class:`~hf_triaccel.kernels.stats.ReductionLaunch`) and no other
-    operation; otherwise the view is copied first.
+    operation, queued while a statistics batch is active when it sums rows
+    (:mod:`~hf_triaccel.curvature.batching`); otherwise the view is copied first.
 
     Example:
         >>> x = torch.ones(2, 3, 4)
@@ -131,6 +134,9 @@ def reducer(
 
         if v.data_ptr() == example.data_ptr():  # a view, not a copy
             launch = reduction_launch(v, square, tail)
+            if launch is not None and launch.rows is not None:
+                # a row sum can wait in the active batch (hf_triaccel.curvature.batching)
+                return functools.partial(queue_or_launch, launch)
             if launch is not None:
                 return launch  # reads each input where it is
         launch = reduction_launch(v.contiguous(), square, tail)

@@ -115,6 +115,13 @@ class FisherRule:
         :class:`~hf_triaccel.curvature.finish.SquareMean`)."""
         return Mean()
 
+    def input_saved(self, module: nn.Module) -> bool:
+        """Whether ``module``'s forward keeps its input, as given, for the backward (with
+        autograd on, and unless autocast casts it): then its activation statistic may wait
+        for the backward to start at no memory cost
+        (:mod:`~hf_triaccel.curvature.batching`). Default: ``False``, taken at once."""
+        return False
+
     def a_write(
         self,
         module: nn.Module,

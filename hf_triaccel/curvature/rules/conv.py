@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_triaccel.curvature.batching import then
 from hf_triaccel.curvature.finish import Mean
 from hf_triaccel.curvature.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.base import FisherRule, out_in_layout, per_entry_layout
@@ -266,8 +267,13 @@ class ConvRule(FisherRule):
         if plan.pad is not None:
             x = F.pad(x.unsqueeze(0) if plan.unsqueeze else x, plan.pad, mode=plan.pad_mode)
         plan.reduce(x, plan.per_position)
-        gather_taps(plan, plan.head(out))
+        then(gather_taps, plan, plan.head(out))  # after the reduction, if it is queued
         return plan.count
+
+    def input_saved(self, module):
+        # a conv that pads its input first keeps the padded copy instead
+        padded = module.padding_mode != "zeros" or pads_same_dynamically(module)
+        return module.weight.requires_grad and not padded
 
     def g_write(self, module, grad, out, accumulate, impl, cache):
         unbatched = len(module.kernel_size) + 1

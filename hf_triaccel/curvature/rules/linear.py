@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from hf_triaccel.curvature.finish import Mean
 from hf_triaccel.curvature.rules.base import (
     FisherRule,
@@ -34,6 +36,10 @@ class LinearRule(FisherRule):
     def a_finish(self, module):
         return Mean(last=1.0 if module.bias is not None else None)
 
+    def input_saved(self, module):
+        # nn.Linear and its subclasses (a class registered with this rule may not keep it)
+        return isinstance(module, nn.Linear) and module.weight.requires_grad
+
     def a_write(self, module, x, out, impl, cache):
         return sum_square_rows(x, out, False, impl, cache, "a")
 
@@ -51,3 +57,6 @@ class HFConv1DRule(LinearRule):
     def layouts(self, module):
         d_in, d_out = module.weight.shape
         return {"weight": in_out_layout(d_in, d_out), "bias": per_entry_layout(d_out, d_in)}
+
+    def input_saved(self, module):
+        return module.weight.requires_grad  # torch.addmm keeps its input for the weight

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_triaccel.curvature.batching import then
 from hf_triaccel.curvature.finish import NormActivation, SquareMean, inverse
 from hf_triaccel.curvature.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.base import FisherRule, per_entry_layout
@@ -92,9 +93,14 @@ def norm_a_write(
         plan.reduce(x, out, plan.scale)
         return plan.count
     plan.reduce(x, plan.wrapped, plan.scale)
+    then(_wrap, plan, out, positions)  # after the reduction, if it is queued
+    return plan.count
+
+
+def _wrap(plan: NormPlan, out: torch.Tensor, positions: int) -> None:
+    """Adds the wrapped sums of a layer wider than ``positions`` into ``out``."""
     torch.sum(plan.wrapped.view(-1, positions), 0, out=plan.sums(out))
     plan.tail(out).copy_(plan.tail_values)
-    return plan.count
 
 
 def affine_numel(module: nn.Module) -> int:
@@ -172,6 +178,10 @@ class ChannelNormRule(NormRule):
         >>> g_statistic(ChannelNormRule(), nn.BatchNorm1d(2), torch.ones(4, 2))  # 4^2 / 4
         tensor([4., 4.])
     """
+
+    def input_saved(self, module):
+        # BatchNorm keeps its input as given; GroupNorm under autocast keeps a float32 copy
+        return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
     def g_write(self, module, grad, out, accumulate, impl, cache):
         return channel_reduce(grad, 1, out, accumulate, impl, cache, False)

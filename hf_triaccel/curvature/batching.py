@@ -1,0 +1,171 @@
+"""Statistics launched together: the reductions a refresh step's hooks queue.
+
+On a step whose pace the host sets, every statistic launched on its own costs its launch's
+host time. While a :class:`StatisticsBatch` is active (:func:`activate`), the built-in
+rules' row sums are queued instead of launched (:func:`queue_or_launch`), with what must
+follow them (a convolution's tap gather: :func:`then`); :meth:`StatisticsBatch.flush`
+launches every queued reduction of one input dtype and block shape as one kernel
+(:func:`~hf_triaccel.kernels.stats` ``launch_grouped``), then runs what follows, in order.
+
+A collector keeps two (:class:`RefreshBatches`). The activation sums of layers whose
+forward keeps its input for the backward anyway (:meth:`FisherRule.input_saved`) wait
+for the backward to start: holding those inputs costs no memory. The gradient sums wait
+while the gradients they hold take no more memory than the backward has freed, by its
+count (the kept inputs of the layers it has passed), and at most until it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_ACTIVE: list[StatisticsBatch | None] = [None]  # the batch the running hook queues into
+
+
+class StatisticsBatch:
+    """Reductions queued to be launched together, and what runs after them.
+
+    Example:
+        >>> batch = StatisticsBatch()
+        >>> out = torch.zeros(1)
+        >>> previous = activate(batch)
+        >>> then(out.add_, 1.0)  # queued: runs at the flush
+        >>> activate(previous)
+        >>> out, len(batch)
+        (tensor([0.]), 1)
+        >>> batch.flush(); out
+        tensor([1.])
+    """
+
+    __slots__ = ("entries", "after", "outs", "nbytes")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple] = []
+        self.after: list[tuple[Callable[..., Any], tuple]] = []
+        self.outs: set[int] = set()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.entries) + len(self.after)
+
+    def add(
+        self, launch: Any, x: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool
+    ) -> None:
+        """Queues ``launch(x, out, scale, accumulate)``, or launches it now when no grouped
+        kernel takes it. A second reduction into the same output flushes the first."""
+        from hf_triaccel.kernels.grouped import group_key
+
+        key = group_key(launch, x)
+        if key is None:
+            launch(x, out, scale, accumulate)
+            return
+        ptr = out.data_ptr()
+        if ptr in self.outs:
+            self.flush()
+        self.outs.add(ptr)
+        self.entries.append((launch, x, out, scale, accumulate, key))
+        self.nbytes += x.numel() * x.element_size()
+
+    def then(self, fn: Callable[..., Any], args: tuple) -> None:
+        """Runs ``fn(*args)`` at the flush, after the queued reductions."""
+        self.after.append((fn, args))
+
+    def flush(self) -> None:
+        """Launches the queued reductions, grouped, then what follows them."""
+        entries, after = self.entries, self.after
+        self.clear()
+        if entries:
+            from hf_triaccel.kernels.grouped import launch_grouped
+
+            groups: dict[tuple, list[tuple]] = {}
+            for entry in entries:
+                groups.setdefault(entry[5], []).append(entry[:5])
+            for key, group in groups.items():
+                if len(group) == 1:  # its own launch needs no tables
+                    launch, *args = group[0]
+                    launch(*args)
+                else:
+                    launch_grouped(key, group)
+        for fn, args in after:
+            fn(*args)
+
+    def clear(self) -> None:
+        """Forgets what is queued."""
+        self.entries, self.after, self.outs, self.nbytes = [], [], set(), 0
+
+
+def activate(batch: StatisticsBatch | None) -> StatisticsBatch | None:
+    """Makes ``batch`` the one the statistics queue into (``None``: launch at once);
+    returns the one active before, to restore."""
+    previous = _ACTIVE[0]
+    _ACTIVE[0] = batch
+    return previous
+
+
+def queue_or_launch(
+    launch: Any, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False
+) -> None:
+    """``launch(x, out, scale, accumulate)``, queued in the active batch if there is one."""
+    batch = _ACTIVE[0]
+    if batch is None:
+        launch(x, out, scale, accumulate)
+    else:
+        batch.add(launch, x, out, scale, accumulate)
+
+
+def then(fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)`` after the active batch's reductions (now, without one): the step of a
+    statistic that reads what a queued reduction writes."""
+    batch = _ACTIVE[0]
+    if batch is None:
+        fn(*args)
+    else:
+        batch.then(fn, args)
+
+
+class RefreshBatches:
+    """A collector's two batches: activation sums, launched when the backward starts;
+    gradient sums, launched before the gradients they hold outweigh the inputs the
+    backward has freed, and when it ends."""
+
+    __slots__ = ("activations", "gradients", "queued", "freed")
+
+    def __init__(self) -> None:
+        self.activations = StatisticsBatch()
+        self.gradients = StatisticsBatch()
+        self.queued = False  # the end-of-backward flush is queued with the engine
+        self.freed = 0  # bytes of kept inputs of the layers this backward has passed
+
+    def backward_started(self) -> None:
+        """Called by each gradient hook: flushes the activation sums and, once per
+        backward, asks the autograd engine to flush the gradient sums at its end."""
+        if self.activations.entries or self.activations.after:
+            self.activations.flush()
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self.queued = True
+            self.freed = 0
+
+    def _backward_ended(self) -> None:
+        self.queued = False
+        self.gradients.flush()
+
+    def gradient_taken(self, kept_bytes: int) -> None:
+        """Called after a gradient hook queued its sums, with the bytes of its layer's
+        kept input (which the layer's backward frees): flushes the gradient sums if the
+        gradients held outweigh what the backward has freed before this layer."""
+        if self.gradients.nbytes > self.freed:
+            self.gradients.flush()
+        self.freed += kept_bytes
+
+    def flush(self) -> None:
+        """Launches everything queued (before a fold reads the sums)."""
+        self.activations.flush()
+        self.gradients.flush()
+
+    def clear(self) -> None:
+        """Forgets everything queued (the hooks are removed, or the statistics reset)."""
+        self.activations.clear()
+        self.gradients.clear()

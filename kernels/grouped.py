@@ -1,0 +1,204 @@
+"""Many column sums in one launch: the statistics of a refresh step in a few kernels.
+
+On a step whose pace the host sets, a statistic's launch costs more host time than its
+kernel takes on the device, so the collector queues the reductions of several layers
+and launches them together (:func:`launch_grouped`): one kernel per input dtype and
+block shape reads every queued input, each with its own geometry, destination, scale,
+accumulation and tail, through device tables of data pointers. Each input is split over
+programs as its own :class:`~hf_triaccel.kernels.stats.ReductionLaunch` would split it,
+and its partial sums are finished the same way (the program that takes an output
+block's last ticket adds the block's rows in a fixed order), so the sums are
+reproducible from run to run.
+
+The tables: the geometry of each input and the program-to-work map are worked out once
+per sequence of reductions and kept with their tickets; what changes from call to call
+(the addresses, the accumulation flag, the scale) is one small host-to-device copy,
+skipped when nothing changed.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_triaccel.kernels.stats import _NUM_WARPS, _TILE, ReductionLaunch, _write_tail
+
+# Sequences of reductions whose tables are kept (a model whose layers take turns, or
+# inputs whose shapes change, must not pile them up).
+_MAX_PLANS = 32
+_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Per task, the static table holds (int64): rows, columns, row stride, rows per split,
+# splits, partials offset, tickets offset, tail length, square, tail value (float64 bits);
+# the dynamic table: x address, out address, accumulate, scale (float64 bits).
+
+
+@triton.jit
+def _grouped_rows_kernel(
+    dynamic_ptr,
+    static_ptr,
+    tiles_ptr,
+    part_ptr,
+    ticket_ptr,
+    DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Column sums of one (rows of a split, BLOCK_D) slab of one task's input.
+
+    ``tiles`` maps the program to (task, column block, split). A task's input is
+    (n_rows, n_cols) with unit column stride; its sums (of squares when the task says
+    so) are scaled and written into, or added to, its float32 output; with a tail, the
+    program that writes column block 0 also writes the zeros and the value after them.
+    Split tasks write their partials at the task's offset of ``part`` and finish with
+    the task's tickets, as ``_epilogue`` does.
+    """
+    tile = tiles_ptr + tl.program_id(0) * 3
+    task = tl.load(tile)
+    block = tl.load(tile + 1)
+    split = tl.load(tile + 2)
+    dyn = dynamic_ptr + task * 4
+    x_ptr = tl.load(dyn).to(tl.pointer_type(DTYPE))
+    out_ptr = tl.load(dyn + 1).to(tl.pointer_type(tl.float32))
+    accumulate = tl.load(dyn + 2) != 0
+    scale = tl.load(dyn + 3).to(tl.float64, bitcast=True).to(tl.float32)
+    sta = static_ptr + task * 10
+    n_rows = tl.load(sta)
+    n_cols = tl.load(sta + 1)
+    stride_row = tl.load(sta + 2)
+    rows_per_split = tl.load(sta + 3)
+    n_splits = tl.load(sta + 4)
+    part = part_ptr + tl.load(sta + 5)
+    tickets = ticket_ptr + tl.load(sta + 6)
+    tail_len = tl.load(sta + 7)
+    square = tl.load(sta + 8) != 0
+    tail_value = tl.load(sta + 9).to(tl.float64, bitcast=True).to(tl.float32)
+
+    cols = block * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    col_mask = cols < n_cols
+    row_start = split * rows_per_split
+    row_end = tl.minimum(row_start + rows_per_split, n_rows)
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for r in range(row_start, row_end, BLOCK_N):
+        rows = r + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]  # (BLOCK_N, BLOCK_D)
+        v = tl.load(x_ptr + rows[:, None] * stride_row + cols[None, :], mask=mask, other=0.0)
+        v = v.to(tl.float32)
+        acc += tl.where(square, v * v, v)
+    total = tl.sum(acc, axis=0)
+
+    finish = n_splits == 1
+    if n_splits > 1:
+        tl.store(part + split * n_cols + cols, total, mask=col_mask)
+        tl.debug_barrier()  # every thread's partials stored before the ticket is taken
+        ticket = tl.atomic_add(tickets + block, 1, sem="acq_rel")
+        finish = ticket == n_splits - 1
+        if finish:
+            sums = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+            for s in range(0, n_splits, BLOCK_S):
+                splits = s + tl.arange(0, BLOCK_S)  # (BLOCK_S,)
+                ptrs = part + splits[:, None] * n_cols + cols[None, :]
+                both = (splits < n_splits)[:, None] & col_mask[None, :]
+                # past L1: other programs wrote these rows from other multiprocessors
+                sums += tl.load(ptrs, mask=both, other=0.0, cache_modifier=".cg")
+            total = tl.sum(sums, axis=0)
+            tl.store(tickets + block, 0)
+    if finish:
+        total = total * scale
+        total += tl.load(out_ptr + cols, mask=col_mask & accumulate, other=0.0)
+        tl.store(out_ptr + cols, total, mask=col_mask)
+        if (tail_len > 0) & (block == 0):
+            _write_tail(out_ptr, n_cols, tail_len, tail_value)
+
+
+def _bits(value: float) -> int:
+    """The float64 bits of ``value`` as an int64 (how the tables carry floats)."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def group_key(launch: ReductionLaunch, x: torch.Tensor) -> tuple | None:
+    """Which grouped kernel can take ``launch`` on input ``x``: ``(dtype, BLOCK_N,
+    BLOCK_D)``, or ``None`` when none can (a channel reduction, an input dtype the
+    kernel does not read)."""
+    if launch.rows is None or x.dtype not in _DTYPES:
+        return None
+    return (x.dtype, launch.kwargs["BLOCK_N"], launch.kwargs["BLOCK_D"])
+
+
+class _GroupPlan:
+    """The device tables of one sequence of reductions of one group key."""
+
+    __slots__ = ("launches", "static", "tiles", "tickets", "part_len", "last", "dynamic")
+
+    def __init__(self, launches: Sequence[ReductionLaunch], device: torch.device) -> None:
+        # kept alive, so that the ids of the plan's key stay theirs
+        self.launches = tuple(launches)
+        static, tiles = [], []
+        part = ticket = 0
+        for task, launch in enumerate(launches):
+            n_rows, n_cols, stride_row, square, tail = launch.rows
+            kw = launch.kwargs
+            col_blocks, splits = launch.grid
+            tail_len, tail_value = tail if tail is not None else (0, 0.0)
+            static.append(
+                (n_rows, n_cols, stride_row, kw["rows_per_split"], splits, part, ticket,
+                 tail_len, int(square), _bits(float(tail_value)))
+            )  # fmt: skip
+            tiles += [(task, b, s) for b in range(col_blocks) for s in range(splits)]
+            if splits > 1:
+                part += splits * n_cols
+                ticket += col_blocks
+        self.static = torch.tensor(static, dtype=torch.int64).to(device)
+        self.tiles = torch.tensor(tiles, dtype=torch.int32).to(device)
+        self.tickets = torch.zeros(max(ticket, 1), dtype=torch.int32, device=device)
+        self.part_len = max(part, 1)
+        self.last: list[int] | None = None
+        self.dynamic: torch.Tensor | None = None
+
+
+_PLANS: OrderedDict[tuple, _GroupPlan] = OrderedDict()
+
+
+def launch_grouped(
+    key: tuple,
+    entries: Sequence[tuple[ReductionLaunch, torch.Tensor, torch.Tensor, float, bool]],
+) -> None:
+    """Launches ``entries`` (launch, x, out, scale, accumulate), all of group ``key``
+    (:func:`group_key`), as one kernel: the same sums as calling each launch.
+
+    The outputs must be distinct tensors that no entry reads as an input; each ``x``
+    must be laid out as its launch expects. Launches of one sequence share tickets, so
+    they must run in order (one stream), as a :class:`ReductionLaunch`'s do.
+    """
+    dtype, block_n, block_d = key
+    device = entries[0][1].device
+    plan_key = (key, device, tuple(id(e[0]) for e in entries))
+    plan = _PLANS.get(plan_key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.popitem(last=False)
+        plan = _PLANS[plan_key] = _GroupPlan([e[0] for e in entries], device)
+    dynamic = []
+    for _, x, out, scale, accumulate in entries:
+        dynamic += (x.data_ptr(), out.data_ptr(), int(accumulate), _bits(float(scale)))
+    if dynamic != plan.last:
+        plan.dynamic = torch.tensor(dynamic, dtype=torch.int64).to(device, non_blocking=True)
+        plan.last = dynamic
+    part = torch.empty(plan.part_len, dtype=torch.float32, device=device)
+    _grouped_rows_kernel[(plan.tiles.shape[0],)](
+        plan.dynamic,
+        plan.static,
+        plan.tiles,
+        part,
+        plan.tickets,
+        DTYPE=_DTYPES[dtype],
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_S=max(1, _TILE // block_d),
+        num_warps=_NUM_WARPS,
+    )
