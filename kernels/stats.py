@@ -318,7 +318,17 @@ class ReductionLaunch:
     then ``value`` last (where a normalisation layer's sums keep their size entry).
     """
 
-    __slots__ = ("kernel", "grid", "kwargs", "part", "tickets", "compiled", "template", "at", "rows")
+    __slots__ = (
+        "kernel",
+        "grid",
+        "kwargs",
+        "part",
+        "tickets",
+        "compiled",
+        "template",
+        "at",
+        "rows",
+    )
 
     def __init__(self, kernel, grid, sizes, meta, splits, n, device, tail, rows=None):
         self.kernel = kernel

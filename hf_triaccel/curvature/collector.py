@@ -3,8 +3,9 @@
 The collector decides *which* modules carry factors (by :func:`rule_for`), takes their
 statistics with removable hooks while :attr:`FisherCollector.collecting` is on, adds them
 over micro-batches, and folds them into the running factors once per optimizer step
-(:meth:`FisherCollector.fold`). *When* to collect is the optimizer's decision. The hooks are registered only while collecting: the steps between
-two refreshes run the model unhooked, at no host cost (:mod:`~hf_triaccel.curvature.hooks`).
+(:meth:`FisherCollector.fold`). *When* to collect is the optimizer's decision. The
+hooks are registered only while collecting: the steps between two refreshes run the model
+unhooked, at no host cost (:mod:`~hf_triaccel.curvature.hooks`).
 
 Parameters are matched to their factors by identity, looked up as the modules hold them
 now (FSDP2 replaces a model's parameters with DTensors); a parameter sharded by rows
@@ -16,8 +17,9 @@ itself: each writes its sums into a preallocated buffer of the layer
 (:class:`~hf_triaccel.curvature.layer.LayerFactors`) through its rule, with no host
 synchronisation or per-call shape arithmetic once a layer has seen its input's shape and
 strides; the built-in rules' reductions are queued and launched together
-(:mod:`~hf_triaccel.curvature.batching`). Everything else is left to :meth:`FisherCollector.fold`, once per refresh, in batched
-operations over all layers: merging the micro-batches' sums, adding them over processes,
+(:mod:`~hf_triaccel.curvature.batching`). Everything else is left to
+:meth:`FisherCollector.fold`, once per refresh, in batched operations over all layers:
+merging the micro-batches' sums, adding them over processes,
 the finish that makes statistics of them (means, squares of sums, constant entries:
 :mod:`~hf_triaccel.curvature.finish`) and the loss scale.
 """
@@ -197,6 +199,7 @@ class FisherCollector:
             del _ATTACHED[model]
 
     remove = detach
+
     def _register(self) -> None:
         for layer in self.layers.values():
             if layer.handles:

@@ -434,7 +434,10 @@ def test_deep_copy_of_a_hooked_model_does_not_feed_the_original():
         assert layer.a_count == layer.g_count == 0
     # the copy's stand-ins take nothing, and hold nothing of the collector
     hooks = [
-        h for m in clone.modules() for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values()
+        h
+        for m in clone.modules()
+        for d in (m._forward_pre_hooks, m._forward_hooks)
+        for h in d.values()
     ]
     assert hooks and all(type(h).__name__ == "InertHook" for h in hooks)
 
