@@ -177,11 +177,8 @@ class FisherCollector:
         model = self._model_ref()
         previous = None if model is None else _ATTACHED.get(model)
         if previous is not None and previous is not self and previous.attached:
-            warnings.warn(
-                "the model already had a FisherCollector: its hooks were removed so that "
-                "statistics are not taken twice",
-                stacklevel=3,
-            )
+            msg = "the model already had a FisherCollector: its hooks were removed"
+            warnings.warn(msg + " so that statistics are not taken twice", stacklevel=3)
             previous.detach()
         if model is not None:
             _ATTACHED[model] = self
