@@ -10,8 +10,8 @@ launches every queued reduction of one input dtype and block shape as one kernel
 A collector keeps two (:class:`RefreshBatches`). The activation sums of layers whose
 forward keeps its input for the backward anyway (:meth:`FisherRule.input_saved`) wait
 for the backward to start: holding those inputs costs no memory. The gradient sums wait
-while the gradients they hold take no more memory than the backward has freed, by its
-count (the kept inputs of the layers it has passed), and at most until it ends.
+while the gradients they hold take at most :data:`GRADIENT_BYTES_PER_PARAMETER` bytes per
+parameter of the collector's layers, and at most until the backward ends.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+# Gradients held, per parameter of the hooked layers: half of what AdaFisher saves against
+# AdamW (one float32 state per parameter instead of two), so that the peak memory of a
+# refresh step stays under AdamW's wherever the backward's own peak falls.
+GRADIENT_BYTES_PER_PARAMETER = 2
 
 _ACTIVE: list[StatisticsBatch | None] = [None]  # the batch the running hook queues into
 
@@ -127,16 +132,16 @@ def then(fn: Callable[..., Any], *args: Any) -> None:
 
 class RefreshBatches:
     """A collector's two batches: activation sums, launched when the backward starts;
-    gradient sums, launched before the gradients they hold outweigh the inputs the
-    backward has freed, and when it ends."""
+    gradient sums, launched before the gradients they hold pass ``budget`` bytes, and
+    when the backward ends."""
 
-    __slots__ = ("activations", "gradients", "queued", "freed")
+    __slots__ = ("activations", "gradients", "queued", "budget")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int = 0) -> None:
         self.activations = StatisticsBatch()
         self.gradients = StatisticsBatch()
         self.queued = False  # the end-of-backward flush is queued with the engine
-        self.freed = 0  # bytes of kept inputs of the layers this backward has passed
+        self.budget = budget
 
     def backward_started(self) -> None:
         """Called by each gradient hook: flushes the activation sums and, once per
@@ -146,19 +151,15 @@ class RefreshBatches:
         if not self.queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             self.queued = True
-            self.freed = 0
 
     def _backward_ended(self) -> None:
         self.queued = False
         self.gradients.flush()
 
-    def gradient_taken(self, kept_bytes: int) -> None:
-        """Called after a gradient hook queued its sums, with the bytes of its layer's
-        kept input (which the layer's backward frees): flushes the gradient sums if the
-        gradients held outweigh what the backward has freed before this layer."""
-        if self.gradients.nbytes > self.freed:
+    def gradient_taken(self) -> None:
+        """Called after a gradient hook queued its sums: flushes past the budget."""
+        if self.gradients.nbytes > self.budget:
             self.gradients.flush()
-        self.freed += kept_bytes
 
     def flush(self) -> None:
         """Launches everything queued (before a fold reads the sums)."""

@@ -35,7 +35,7 @@ from torch import nn
 
 from hf_triaccel._types import DEFAULT_FACTOR_INIT, EMA_MODES, FACTOR_INITS, ParamFactors
 from hf_triaccel.curvature.averaging import DevicePlan, device_plan, finish_step
-from hf_triaccel.curvature.batching import RefreshBatches
+from hf_triaccel.curvature.batching import GRADIENT_BYTES_PER_PARAMETER, RefreshBatches
 from hf_triaccel.curvature.hooks import ActivationHook, LayerHook, OutputHook
 from hf_triaccel.curvature.layer import LayerFactors
 from hf_triaccel.curvature.rules import FisherRule, rule_for
@@ -109,7 +109,6 @@ class FisherCollector:
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.generation = 0
         self.layers: dict[str, LayerFactors] = {}
-        self.batches = RefreshBatches()  # the statistics queued by the hooks
         # the folds of each set of ready layers, valid for the generation they were made in
         self._fold_cache: tuple[int, dict[tuple[str, ...], list[DevicePlan]]] = (0, {})
         unknown = set(exclude) - {n for n, _ in model.named_modules()}
@@ -121,6 +120,8 @@ class FisherCollector:
             if rule is None or name in exclude:
                 continue
             self._add_layer(name, module, rule, owned)
+        budget = GRADIENT_BYTES_PER_PARAMETER * sum(p.numel() for p in self._params())
+        self.batches = RefreshBatches(budget)  # the statistics the hooks queue
         self._model_ref: Any = weakref.ref(model)
         self._collecting = True
         self._attached = False
@@ -367,16 +368,17 @@ class FisherCollector:
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the folds (they hold this collector's addresses), with the model,
         so that a copy hooks the copy of the model."""
-        skip = ("_fold_cache", "_model_ref", "batches")
-        state = {k: v for k, v in vars(self).items() if k not in skip}
+        state = {k: v for k, v in vars(self).items() if k not in ("_fold_cache", "_model_ref")}
+        state["batches"] = RefreshBatches(self.batches.budget)  # nothing queued travels
         state["model"] = self._model_ref()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         model = state.pop("model")
         state.setdefault("factor_init", "ones")  # pickled before the setting existed
+        state.setdefault("batches", RefreshBatches())  # ... or before statistics batches
         self.__dict__.update(state)
-        self._fold_cache, self.batches = (0, {}), RefreshBatches()
+        self._fold_cache = (0, {})
         self._model_ref = _no_model if model is None else weakref.ref(model)
         self._unregister()  # the copied modules hold inert stand-ins of the original's hooks
         if self._attached:

@@ -115,7 +115,6 @@ class ActivationHook(_StatisticsHook):
             collector.generation += 1  # whoever cached the factors' addresses
         # an input the forward keeps anyway can wait for the backward, with the others
         batch = collector.batches.activations if _kept(layer, module, x) else None
-        layer.kept_bytes = 0 if batch is None else x.nbytes
         previous = activate(batch)
         try:
             layer.take_activation(module, x.detach(), collector.impl)
@@ -153,7 +152,7 @@ class OutputHook(_StatisticsHook):
                 layer.take_gradient(grad, impl)
             finally:
                 activate(previous)
-            batches.gradient_taken(layer.kept_bytes)
+            batches.gradient_taken()
 
         output.register_hook(grad_hook)
 

@@ -89,7 +89,6 @@ class LayerFactors:
     owners: list[weakref.ref | None] = field(default_factory=list)
     confirmed: list[int] = field(default_factory=list)  # slots whose gradient arrived
     anchor: str = ""  # an owned parameter's name: where it is, the factors must be
-    kept_bytes: int = 0  # the last input the forward keeps for the backward anyway
     cache: dict[Any, Any] = field(default_factory=dict)  # the rule's per-shape plans
 
     @classmethod

@@ -1,0 +1,157 @@
+"""Statistics launched together: the grouped kernel against one launch per statistic, and
+the collector's batches (what waits, for how long, and that nothing is lost). CPU runs
+use Triton's interpreter."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hf_triaccel.curvature.batching import (
+    RefreshBatches,
+    StatisticsBatch,
+    activate,
+    queue_or_launch,
+)
+from hf_triaccel.curvature.collector import FisherCollector
+from tests.curvature.test_collector import ResidualNet, forward_backward
+
+pytest.importorskip("triton")
+grouped = pytest.importorskip("hf_triaccel.kernels.grouped")
+stats = pytest.importorskip("hf_triaccel.kernels.stats")
+
+# float32 sums of positive terms added in another order: each entry's rounding differs
+# by at most a few ulps per term added (the splits' partials, then the totals)
+RTOL = 64 * torch.finfo(torch.float32).eps
+
+
+def _cases() -> list[tuple[torch.Tensor, bool, tuple[int, float] | None]]:
+    """Inputs of several geometries that share a grouped kernel (same dtype and block
+    shape), some split over programs, with and without squares and a tail."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(300, 64, generator=g), True, None),  # split: 1 column block
+        (torch.randn(300, 64, generator=g)[::2], True, (6, 5.0)),  # row stride 128
+        (torch.randn(40, 64, generator=g), False, (3, 2.0)),
+        (torch.randn(1000, 50, generator=g), True, None),
+    ]
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_launch_matches_one_launch_per_statistic(accumulate, dtype):
+    entries, expected, keys = [], [], set()
+    for x, square, tail in _cases():
+        x = x.to(dtype)
+        launch = stats.reduction_launch(x, square, tail)
+        n = x.shape[1] + (tail[0] if tail else 0)
+        out = torch.linspace(1.0, 2.0, n)
+        want = out.clone()
+        launch(x, want, 0.25, accumulate)
+        entries.append((launch, x, out, 0.25, accumulate))
+        expected.append(want)
+        keys.add(grouped.group_key(launch, x))
+    assert len(keys) == 1, keys  # one kernel for all of them
+    assert any(e[0].grid[1] > 1 for e in entries)  # the split path is exercised
+    key = keys.pop()
+    for _ in range(2):  # the second launch reuses the tables and the tickets
+        for _, _, out, _, _ in entries:
+            out.copy_(torch.linspace(1.0, 2.0, out.numel()))
+        grouped.launch_grouped(key, entries)
+        for (_, _, out, _, _), want in zip(entries, expected, strict=True):
+            torch.testing.assert_close(out, want, rtol=RTOL, atol=1e-6)
+
+
+def test_a_channel_reduction_is_launched_at_once():
+    x = torch.randn(2, 3, 7)  # (B, C, L) with unit stride along L: the channel kernel
+    launch = stats.reduction_launch(x, True)
+    assert launch.rows is None and grouped.group_key(launch, x) is None
+    batch, out = StatisticsBatch(), torch.zeros(3)
+    previous = activate(batch)
+    try:
+        queue_or_launch(launch, x, out)
+    finally:
+        activate(previous)
+    assert len(batch) == 0
+    torch.testing.assert_close(out, x.square().sum((0, 2)), rtol=RTOL, atol=0.0)
+
+
+def test_a_second_reduction_into_the_same_output_flushes_the_first():
+    x = torch.rand(30, 8)
+    launch = stats.reduction_launch(x, True)
+    batch, out = StatisticsBatch(), torch.zeros(8)
+    previous = activate(batch)
+    try:
+        queue_or_launch(launch, x, out, 1.0, False)
+        queue_or_launch(launch, 2 * x, out, 1.0, True)  # waits; the first was launched
+        assert len(batch) == 1
+    finally:
+        activate(previous)
+    batch.flush()
+    torch.testing.assert_close(out, 5 * x.square().sum(0), rtol=RTOL, atol=0.0)
+
+
+def _spy(monkeypatch) -> list[int]:
+    sizes: list[int] = []
+    launch = grouped.launch_grouped
+
+    def spy(key, entries):
+        sizes.append(len(entries))
+        launch(key, entries)
+
+    monkeypatch.setattr(grouped, "launch_grouped", spy)
+    return sizes
+
+
+def test_collector_launches_statistics_together_and_loses_none(monkeypatch):
+    sizes = _spy(monkeypatch)
+    torch.manual_seed(3)
+    model = ResidualNet(inplace=True).to(memory_format=torch.channels_last)
+    twin = copy.deepcopy(model)
+    fast = FisherCollector(model, impl="triton")
+    plain = FisherCollector(twin, impl="reference")
+    fast.batches.budget = 1 << 30  # hold every gradient until the backward ends
+    x = torch.randn(3, 3, 6, 6).contiguous(memory_format=torch.channels_last)
+    model(x)  # a forward that no backward follows: its inputs wait, then count for nothing
+    assert len(fast.batches.activations) > 0
+    w = forward_backward(model, x)
+    forward_backward(twin, x, w)
+    assert len(fast.batches.activations) == len(fast.batches.gradients) == 0  # all launched
+    assert max(sizes) > 1
+    for name, layer in fast.layers.items():
+        assert layer.a_count == layer.g_count == 1
+        for got, want in zip(layer.statistics(), plain.layers[name].statistics(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_gradients_held_stay_within_the_budget(monkeypatch):
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
+    collector = FisherCollector(model, impl="triton")
+    # GRADIENT_BYTES_PER_PARAMETER (2) bytes per parameter of the hooked layers
+    assert collector.batches.budget == 2 * sum(p.numel() for p in model.parameters())
+    collector.batches.budget = 100  # one gradient fits, two do not
+    held = []
+    taken = RefreshBatches.gradient_taken
+
+    def watch(batches):
+        taken(batches)
+        held.append(batches.gradients.nbytes)
+
+    monkeypatch.setattr(RefreshBatches, "gradient_taken", watch)
+    forward_backward(model, torch.randn(4, 5))
+    assert held and max(held) <= 100
+
+
+def test_inputs_cast_by_autocast_are_taken_at_once():
+    model = nn.Linear(4, 3)
+    collector = FisherCollector(model, impl="triton")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(2, 4))  # float32 in, cast: the forward keeps the cast copy
+        assert len(collector.batches.activations) == 0
+        model(torch.randn(2, 4, dtype=torch.bfloat16))  # kept as given: it may wait
+        assert len(collector.batches.activations) == 1
+    collector.fold(0.9)  # a fold launches what waits
+    assert len(collector.batches.activations) == 0
