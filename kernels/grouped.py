@@ -28,9 +28,11 @@ import triton.language as tl
 
 from hf_triaccel.kernels.stats import _NUM_WARPS, _TILE, ReductionLaunch, _write_tail
 
-# Sequences of reductions whose tables are kept (a model whose layers take turns, or
-# inputs whose shapes change, must not pile them up).
-_MAX_PLANS = 32
+# Sequences of reductions whose tables are kept: every flush of a refresh step is one (a
+# model of hundreds of layers whose gradients are launched a few at a time has hundreds),
+# and building the tables again costs their copies; a model whose layers take turns, or
+# inputs whose shapes change, must not pile them up either.
+_MAX_PLANS = 1024
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Per task, the static table holds (int64): rows, columns, row stride, rows per split,
 # splits, partials offset, tickets offset, tail length, square, tail value (float64 bits);
@@ -153,12 +155,19 @@ class _GroupPlan:
             if splits > 1:
                 part += splits * n_cols
                 ticket += col_blocks
-        self.static = torch.tensor(static, dtype=torch.int64).to(device)
-        self.tiles = torch.tensor(tiles, dtype=torch.int32).to(device)
+        self.static = _to_device(static, torch.int64, device)
+        self.tiles = _to_device(tiles, torch.int32, device)
         self.tickets = torch.zeros(max(ticket, 1), dtype=torch.int32, device=device)
         self.part_len = max(part, 1)
         self.last: list[int] | None = None
         self.dynamic: torch.Tensor | None = None
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied without waiting for the device (from
+    pinned memory: a copy from pageable memory may wait for the work queued before it)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 _PLANS: OrderedDict[tuple, _GroupPlan] = OrderedDict()
@@ -187,7 +196,7 @@ def launch_grouped(
     for _, x, out, scale, accumulate in entries:
         dynamic += (x.data_ptr(), out.data_ptr(), int(accumulate), _bits(float(scale)))
     if dynamic != plan.last:
-        plan.dynamic = torch.tensor(dynamic, dtype=torch.int64).to(device, non_blocking=True)
+        plan.dynamic = _to_device(dynamic, torch.int64, device)
         plan.last = dynamic
     part = torch.empty(plan.part_len, dtype=torch.float32, device=device)
     _grouped_rows_kernel[(plan.tiles.shape[0],)](

@@ -16,6 +16,7 @@ parameter of the collector's layers, and at most until the backward ends.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -60,9 +61,7 @@ class StatisticsBatch:
     ) -> None:
         """Queues ``launch(x, out, scale, accumulate)``, or launches it now when no grouped
         kernel takes it. A second reduction into the same output flushes the first."""
-        from hf_triaccel.kernels.grouped import group_key
-
-        key = group_key(launch, x)
+        key = _grouped().group_key(launch, x)
         if key is None:
             launch(x, out, scale, accumulate)
             return
@@ -82,8 +81,7 @@ class StatisticsBatch:
         entries, after = self.entries, self.after
         self.clear()
         if entries:
-            from hf_triaccel.kernels.grouped import launch_grouped
-
+            launch_grouped = _grouped().launch_grouped
             groups: dict[tuple, list[tuple]] = {}
             for entry in entries:
                 groups.setdefault(entry[5], []).append(entry[:5])
@@ -99,6 +97,15 @@ class StatisticsBatch:
     def clear(self) -> None:
         """Forgets what is queued."""
         self.entries, self.after, self.outs, self.nbytes = [], [], set(), 0
+
+
+@functools.cache
+def _grouped() -> Any:
+    """The grouped kernels' module, imported when the first row sum is queued (only
+    Triton launches are)."""
+    from hf_triaccel.kernels import grouped
+
+    return grouped
 
 
 def activate(batch: StatisticsBatch | None) -> StatisticsBatch | None:
