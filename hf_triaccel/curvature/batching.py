@@ -45,9 +45,10 @@ class StatisticsBatch:
         tensor([1.])
     """
 
-    __slots__ = ("entries", "after", "outs", "nbytes")
+    __slots__ = ("entries", "after", "outs", "nbytes", "budget")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: float = float("inf")) -> None:
+        self.budget = budget  # bytes of inputs held; past it they are launched
         self.entries: list[tuple] = []
         self.after: list[tuple[Callable[..., Any], tuple]] = []
         self.outs: set[int] = set()
@@ -60,9 +61,11 @@ class StatisticsBatch:
         self, launch: Any, x: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool
     ) -> None:
         """Queues ``launch(x, out, scale, accumulate)``, or launches it now when no grouped
-        kernel takes it. A second reduction into the same output flushes the first."""
+        kernel takes it or ``x`` alone is over the budget. A second reduction into the same
+        output flushes the first."""
         key = _grouped().group_key(launch, x)
-        if key is None:
+        size = x.numel() * x.element_size()
+        if key is None or (size > self.budget and not self.entries):
             launch(x, out, scale, accumulate)
             return
         ptr = out.data_ptr()
@@ -70,7 +73,7 @@ class StatisticsBatch:
             self.flush()
         self.outs.add(ptr)
         self.entries.append((launch, x, out, scale, accumulate, key))
-        self.nbytes += x.numel() * x.element_size()
+        self.nbytes += size
 
     def then(self, fn: Callable[..., Any], args: tuple) -> None:
         """Runs ``fn(*args)`` at the flush, after the queued reductions."""
@@ -142,13 +145,12 @@ class RefreshBatches:
     gradient sums, launched before the gradients they hold pass ``budget`` bytes, and
     when the backward ends."""
 
-    __slots__ = ("activations", "gradients", "queued", "budget")
+    __slots__ = ("activations", "gradients", "queued")
 
     def __init__(self, budget: int = 0) -> None:
-        self.activations = StatisticsBatch()
-        self.gradients = StatisticsBatch()
+        self.activations = StatisticsBatch()  # the inputs are alive anyway: no budget
+        self.gradients = StatisticsBatch(budget)
         self.queued = False  # the end-of-backward flush is queued with the engine
-        self.budget = budget
 
     def backward_started(self) -> None:
         """Called by each gradient hook: flushes the activation sums and, once per
@@ -165,7 +167,7 @@ class RefreshBatches:
 
     def gradient_taken(self) -> None:
         """Called after a gradient hook queued its sums: flushes past the budget."""
-        if self.gradients.nbytes > self.budget:
+        if self.gradients.nbytes > self.gradients.budget:
             self.gradients.flush()
 
     def flush(self) -> None:

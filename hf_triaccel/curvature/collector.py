@@ -369,7 +369,7 @@ class FisherCollector:
         """Everything but the folds (they hold this collector's addresses), with the model,
         so that a copy hooks the copy of the model."""
         state = {k: v for k, v in vars(self).items() if k not in ("_fold_cache", "_model_ref")}
-        state["batches"] = RefreshBatches(self.batches.budget)  # nothing queued travels
+        state["batches"] = RefreshBatches(self.batches.gradients.budget)  # nothing queued
         state["model"] = self._model_ref()
         return state
 

@@ -113,7 +113,7 @@ def test_collector_launches_statistics_together_and_loses_none(monkeypatch):
     twin = copy.deepcopy(model)
     fast = FisherCollector(model, impl="triton")
     plain = FisherCollector(twin, impl="reference")
-    fast.batches.budget = 1 << 30  # hold every gradient until the backward ends
+    fast.batches.gradients.budget = 1 << 30  # hold every gradient until the backward ends
     x = torch.randn(3, 3, 6, 6).contiguous(memory_format=torch.channels_last)
     model(x)  # a forward that no backward follows: its inputs wait, then count for nothing
     assert len(fast.batches.activations) > 0
@@ -131,8 +131,8 @@ def test_gradients_held_stay_within_the_budget(monkeypatch):
     model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
     collector = FisherCollector(model, impl="triton")
     # GRADIENT_BYTES_PER_PARAMETER (2) bytes per parameter of the hooked layers
-    assert collector.batches.budget == 2 * sum(p.numel() for p in model.parameters())
-    collector.batches.budget = 100  # one gradient fits, two do not
+    assert collector.batches.gradients.budget == 2 * sum(p.numel() for p in model.parameters())
+    collector.batches.gradients.budget = 100  # one gradient fits, two do not
     held = []
     taken = RefreshBatches.gradient_taken
 
@@ -143,6 +143,31 @@ def test_gradients_held_stay_within_the_budget(monkeypatch):
     monkeypatch.setattr(RefreshBatches, "gradient_taken", watch)
     forward_backward(model, torch.randn(4, 5))
     assert held and max(held) <= 100
+
+
+def test_a_gradient_over_the_budget_is_launched_at_once(monkeypatch):
+    sizes = _spy(monkeypatch)
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
+    twin = copy.deepcopy(model)
+    collector = FisherCollector(model, impl="triton")
+    plain = FisherCollector(twin, impl="reference")
+    collector.batches.gradients.budget = 0
+    held = []
+    taken = RefreshBatches.gradient_taken
+
+    def watch(batches):
+        held.append(len(batches.gradients))
+        taken(batches)
+
+    monkeypatch.setattr(RefreshBatches, "gradient_taken", watch)
+    x = torch.randn(4, 5)
+    w = forward_backward(model, x)
+    forward_backward(twin, x, w)
+    assert held and not any(held)  # no gradient waited
+    assert sizes == [2]  # the two activation sums, together
+    for name, layer in collector.layers.items():
+        for got, want in zip(layer.statistics(), plain.layers[name].statistics(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_inputs_cast_by_autocast_are_taken_at_once():
