@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_triaccel.kernels.stats import _NUM_WARPS, _TILE, ReductionLaunch, _write_tail
+from hf_triaccel.kernels.stats import NUM_WARPS, TILE, ReductionLaunch, write_tail
 
 # Sequences of reductions whose tables are kept: every flush of a refresh step is one (a
 # model of hundreds of layers whose gradients are launched a few at a time has hundreds),
@@ -115,7 +115,97 @@ def _grouped_rows_kernel(
         total += tl.load(out_ptr + cols, mask=col_mask & accumulate, other=0.0)
         tl.store(out_ptr + cols, total, mask=col_mask)
         if (tail_len > 0) & (block == 0):
-            _write_tail(out_ptr, n_cols, tail_len, tail_value)
+            write_tail(out_ptr, n_cols, tail_len, tail_value)
+
+
+@triton.jit
+def _grouped_gather_kernel(
+    table_ptr,
+    tiles_ptr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out = sums @ taps`` for one block of channels of one task: a convolution's
+    per-position sums (C, P), read through their strides, gathered by its 0/1 tap
+    selector (P, K) into its (C, K) float32 output.
+
+    ``tiles`` maps the program to (task, channel block); ``table`` holds per task (int64)
+    the addresses of the sums, the selector and the output, the sums' channel and position
+    strides, the selector's position and tap strides, C, P and K.
+    """
+    tile = tiles_ptr + tl.program_id(0) * 2
+    task = tl.load(tile)
+    block = tl.load(tile + 1)
+    row = table_ptr + task * 10
+    sums_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    taps_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    out_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    stride_c = tl.load(row + 3)
+    stride_p = tl.load(row + 4)
+    stride_tp = tl.load(row + 5)
+    stride_tk = tl.load(row + 6)
+    n_c = tl.load(row + 7)
+    n_p = tl.load(row + 8)
+    n_k = tl.load(row + 9)
+    chans = block * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
+    taps = tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+    acc = tl.zeros((BLOCK_C, BLOCK_K), dtype=tl.float32)
+    for p in range(0, n_p, BLOCK_P):
+        pos = p + tl.arange(0, BLOCK_P)  # (BLOCK_P,)
+        s_mask = (chans < n_c)[:, None] & (pos < n_p)[None, :]  # (BLOCK_C, BLOCK_P)
+        s_ptrs = sums_ptr + chans[:, None] * stride_c + pos[None, :] * stride_p
+        s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+        t_mask = (pos < n_p)[:, None] & (taps < n_k)[None, :]  # (BLOCK_P, BLOCK_K)
+        t_ptrs = taps_ptr + pos[:, None] * stride_tp + taps[None, :] * stride_tk
+        t = tl.load(t_ptrs, mask=t_mask, other=0.0)
+        acc += tl.dot(s, t, input_precision="ieee")  # float32 products, as torch.mm's
+    o_mask = (chans < n_c)[:, None] & (taps < n_k)[None, :]
+    tl.store(out_ptr + chans[:, None] * n_k + taps[None, :], acc, mask=o_mask)
+
+
+_GATHER_BLOCK_C = 32
+_GATHER_BLOCK_P = 32
+
+
+def gather_key(taps: torch.Tensor) -> int:
+    """Which grouped gather takes a tap selector of ``taps.shape[1]`` taps: its
+    power-of-two width (16 at least, as the kernel's matrix product needs)."""
+    return max(16, 1 << (taps.shape[1] - 1).bit_length())
+
+
+def launch_gathers(
+    block_k: int, entries: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> None:
+    """``torch.mm(sums, taps, out=out)`` for every entry (sums, taps, out), all of
+    :func:`gather_key` ``block_k``, as one kernel. ``sums`` is a float32 (C, P) view,
+    ``taps`` a float32 (P, K) selector (both read through their strides), ``out`` a
+    contiguous float32 (C, K) tensor that no entry reads."""
+    device = entries[0][0].device
+    table, tiles = [], []
+    for task, (sums, taps, out) in enumerate(entries):
+        n_c, n_p = sums.shape
+        table += (sums.data_ptr(), taps.data_ptr(), out.data_ptr(), *sums.stride())
+        table += (*taps.stride(), n_c, n_p, taps.shape[1])
+        tiles += [(task, b) for b in range(-(-n_c // _GATHER_BLOCK_C))]
+    key = ("gather", device, tuple(table))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.popitem(last=False)
+        # the addresses are the key: the tables hold nothing that changes
+        plan = _PLANS[key] = (
+            _to_device(table, torch.int64, device),
+            _to_device(tiles, torch.int32, device),
+        )
+    _grouped_gather_kernel[(len(tiles),)](
+        plan[0],
+        plan[1],
+        BLOCK_C=_GATHER_BLOCK_C,
+        BLOCK_P=_GATHER_BLOCK_P,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
 
 
 def _bits(value: float) -> int:
@@ -170,7 +260,8 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return host.to(device, non_blocking=True)
 
 
-_PLANS: OrderedDict[tuple, _GroupPlan] = OrderedDict()
+# row-sum plans, and the gathers' (table, tiles), keyed by their table
+_PLANS: OrderedDict[tuple, _GroupPlan | tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
 
 def launch_grouped(
@@ -208,6 +299,6 @@ def launch_grouped(
         DTYPE=_DTYPES[dtype],
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        BLOCK_S=max(1, _TILE // block_d),
-        num_warps=_NUM_WARPS,
+        BLOCK_S=max(1, TILE // block_d),
+        num_warps=NUM_WARPS,
     )

@@ -40,8 +40,8 @@ from hf_triaccel._types import (
 
 # Sizes below were picked by measurement on an H200 (bf16 inputs, 64 to 150K columns).
 # Elements in one loaded tile: 16 elements per thread with 8 warps.
-_TILE = 4096
-_NUM_WARPS = 8
+TILE = 4096
+NUM_WARPS = 8
 # Widest column block of the row-sum kernel and longest position block of the channel
 # kernel; narrow column blocks give short-wide inputs enough programs without a split.
 _MAX_BLOCK_D = 128
@@ -74,7 +74,7 @@ def _load_term(ptrs, mask, SQUARE: tl.constexpr):
 
 
 @triton.jit
-def _write_tail(out_ptr, start, tail_len, tail_value):
+def write_tail(out_ptr, start, tail_len, tail_value):
     """``out[start : start + tail_len]``: zeros, then ``tail_value`` in its last entry.
 
     Its own block width: a norm layer's tail runs to thousands of entries, and the
@@ -114,7 +114,7 @@ def _epilogue(
     that takes the block's last ticket adds the block's rows in a fixed order (so the
     totals do not depend on which program finishes last), writes the totals through the
     epilogue and resets the ticket for the next launch. With ``TAIL``, whoever writes
-    block 0's totals also writes ``out[n : n + tail_len]`` (:func:`_write_tail`).
+    block 0's totals also writes ``out[n : n + tail_len]`` (:func:`write_tail`).
     """
     if SPLIT:
         tl.store(part_ptr + split * n + offs, total, mask=mask)
@@ -132,12 +132,12 @@ def _epilogue(
             tl.store(ticket_ptr + block, 0)
             if TAIL:  # noqa: SIM102 (a constexpr test, then a run-time one)
                 if block == 0:
-                    _write_tail(out_ptr, n, tail_len, tail_value)
+                    write_tail(out_ptr, n, tail_len, tail_value)
     else:
         _store_result(out_ptr, offs, mask, total, scale, ACCUMULATE)
         if TAIL:  # noqa: SIM102 (a constexpr test, then a run-time one)
             if block == 0:
-                _write_tail(out_ptr, n, tail_len, tail_value)
+                write_tail(out_ptr, n, tail_len, tail_value)
 
 
 @triton.jit
@@ -343,7 +343,7 @@ class ReductionLaunch:
             tail_value=0.0 if tail is None else float(tail[1]),
             SPLIT=splits > 1,
             TAIL=tail is not None,
-            BLOCK_S=min(_pow2(splits), max(1, _TILE // block)),
+            BLOCK_S=min(_pow2(splits), max(1, TILE // block)),
             **meta,
         )
         # a split launch's partials are allocated per launch, from their shape kept here;
@@ -416,12 +416,12 @@ def rows_launch(
     """Column sums of an (n, d) input with unit column stride and row stride
     ``stride_row``; n, d >= 1."""
     block_d = min(_pow2(d), _MAX_BLOCK_D)
-    block_n = min(max(1, _TILE // block_d), _pow2(n))
+    block_n = min(max(1, TILE // block_d), _pow2(n))
     col_blocks = _cdiv(d, block_d)
     blocks_per_split, splits = _split(_cdiv(n, block_n), col_blocks, device)
     args = {"n_rows": n, "n_cols": d, "stride_row": stride_row}
     args["rows_per_split"] = blocks_per_split * block_n
-    meta = {"SQUARE": square, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": _NUM_WARPS}
+    meta = {"SQUARE": square, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": NUM_WARPS}
     return ReductionLaunch(
         _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail,
         rows=(n, d, stride_row, square, tail),
@@ -441,14 +441,14 @@ def channels_launch(
     """Per-channel sums of a (b, c, length) input with unit stride along its last dim;
     b, c, length >= 1."""
     block_l = min(_pow2(length), _MAX_BLOCK_L)
-    block_c = min(max(1, _TILE // block_l), _pow2(c))
+    block_c = min(max(1, TILE // block_l), _pow2(c))
     chan_blocks = _cdiv(c, block_c)
     pos_blocks = _cdiv(length, block_l)
     n_items = b * pos_blocks
     items_per_split, splits = _split(n_items, chan_blocks, device)
     args = {"n_chan": c, "n_pos": length, "stride_b": stride_b, "stride_c": stride_c}
     args.update(n_pos_blocks=pos_blocks, items_per_split=items_per_split, n_items=n_items)
-    meta = {"SQUARE": square, "BLOCK_C": block_c, "BLOCK_L": block_l, "num_warps": _NUM_WARPS}
+    meta = {"SQUARE": square, "BLOCK_C": block_c, "BLOCK_L": block_l, "num_warps": NUM_WARPS}
     return ReductionLaunch(
         _channel_sum_kernel, (chan_blocks, splits), args, meta, splits, c, device, tail
     )

@@ -38,24 +38,26 @@ class StatisticsBatch:
         >>> out = torch.zeros(1)
         >>> previous = activate(batch)
         >>> then(out.add_, 1.0)  # queued: runs at the flush
-        >>> activate(previous)
+        >>> activate(previous) is batch
+        True
         >>> out, len(batch)
         (tensor([0.]), 1)
         >>> batch.flush(); out
         tensor([1.])
     """
 
-    __slots__ = ("entries", "after", "outs", "nbytes", "budget")
+    __slots__ = ("entries", "gathers", "after", "outs", "nbytes", "budget")
 
     def __init__(self, budget: float = float("inf")) -> None:
         self.budget = budget  # bytes of inputs held; past it they are launched
         self.entries: list[tuple] = []
+        self.gathers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.after: list[tuple[Callable[..., Any], tuple]] = []
         self.outs: set[int] = set()
         self.nbytes = 0
 
     def __len__(self) -> int:
-        return len(self.entries) + len(self.after)
+        return len(self.entries) + len(self.gathers) + len(self.after)
 
     def add(
         self, launch: Any, x: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool
@@ -75,13 +77,18 @@ class StatisticsBatch:
         self.entries.append((launch, x, out, scale, accumulate, key))
         self.nbytes += size
 
+    def gather(self, sums: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> None:
+        """Queues ``torch.mm(sums, taps, out=out)`` (a convolution's tap gather), launched
+        with the others after the reductions."""
+        self.gathers.append((sums, taps, out))
+
     def then(self, fn: Callable[..., Any], args: tuple) -> None:
         """Runs ``fn(*args)`` at the flush, after the queued reductions."""
         self.after.append((fn, args))
 
     def flush(self) -> None:
-        """Launches the queued reductions, grouped, then what follows them."""
-        entries, after = self.entries, self.after
+        """Launches the queued reductions, grouped, then the gathers, then what follows."""
+        entries, gathers, after = self.entries, self.gathers, self.after
         self.clear()
         if entries:
             launch_grouped = _grouped().launch_grouped
@@ -94,12 +101,18 @@ class StatisticsBatch:
                     launch(*args)
                 else:
                     launch_grouped(key, group)
+        if gathers:
+            by_width: dict[int, list[tuple]] = {}
+            for entry in gathers:
+                by_width.setdefault(_grouped().gather_key(entry[1]), []).append(entry)
+            for width, group in by_width.items():
+                _grouped().launch_gathers(width, group)
         for fn, args in after:
             fn(*args)
 
     def clear(self) -> None:
         """Forgets what is queued."""
-        self.entries, self.after, self.outs, self.nbytes = [], [], set(), 0
+        self.entries, self.gathers, self.after, self.outs, self.nbytes = [], [], [], set(), 0
 
 
 @functools.cache
@@ -128,6 +141,16 @@ def queue_or_launch(
         launch(x, out, scale, accumulate)
     else:
         batch.add(launch, x, out, scale, accumulate)
+
+
+def gather_or_mm(sums: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> None:
+    """``torch.mm(sums, taps, out=out)``, queued in the active batch if there is one (for
+    statistics that Triton takes: the batch launches it with Triton)."""
+    batch = _ACTIVE[0]
+    if batch is None:
+        torch.mm(sums, taps, out=out)
+    else:
+        batch.gather(sums, taps, out)
 
 
 def then(fn: Callable[..., Any], *args: Any) -> None:

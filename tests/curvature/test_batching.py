@@ -65,6 +65,26 @@ def test_grouped_launch_matches_one_launch_per_statistic(accumulate, dtype):
             torch.testing.assert_close(out, want, rtol=RTOL, atol=1e-6)
 
 
+def test_grouped_gathers_match_matrix_products():
+    """Per-position sums (channels-last: a transposed view) gathered by tap selectors
+    (transposed too, as the conv rule caches them), of several widths, in two kernels."""
+    g = torch.Generator().manual_seed(1)
+    entries, expected = [], []
+    for c, p, k in ((3, 40, 9), (37, 100, 9), (5, 64, 49), (2, 7, 1)):
+        sums = torch.rand(p, c, generator=g).t()
+        taps = (torch.rand(k, p, generator=g) > 0.5).float().t()
+        entries.append((sums, taps, torch.full((c, k), -1.0)))
+        expected.append(sums @ taps)
+    widths: dict[int, list] = {}
+    for entry in entries:
+        widths.setdefault(grouped.gather_key(entry[1]), []).append(entry)
+    assert sorted(widths) == [16, 64]
+    for width, group in widths.items():
+        grouped.launch_gathers(width, group)
+    for (_, _, out), want in zip(entries, expected, strict=True):
+        torch.testing.assert_close(out, want, rtol=RTOL, atol=0.0)
+
+
 def test_a_channel_reduction_is_launched_at_once():
     x = torch.randn(2, 3, 7)  # (B, C, L) with unit stride along L: the channel kernel
     launch = stats.reduction_launch(x, True)

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_triaccel.curvature.batching import then
+from hf_triaccel.curvature.batching import gather_or_mm, then
 from hf_triaccel.curvature.finish import Mean
 from hf_triaccel.curvature.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.base import FisherRule, out_in_layout, per_entry_layout
 from hf_triaccel.curvature.rules.plans import RowsPlan, ViewOf, as_view, channel_reduce, remember
 from hf_triaccel.curvature.rules.thirdparty import pads_same_dynamically
+from hf_triaccel.dispatch import resolve_impl
 
 # Largest tap-by-position selector formed as one matrix (4 MiB of float32: a 3x3 kernel
 # over 224x224 inputs takes 1.7 MiB); past it the taps are gathered one spatial dim at a
@@ -130,6 +131,7 @@ class ConvPlan:
     selectors: list[torch.Tensor] | None  # per-dim window selectors, when taps is None
     spatial: tuple[int, ...]
     head: ViewOf
+    grouped: bool  # a gather the Triton statistics batch may launch with others
 
 
 def conv_plan(module: nn.Module, x: torch.Tensor, impl: str | None) -> ConvPlan | RowsPlan:
@@ -204,6 +206,7 @@ def conv_plan(module: nn.Module, x: torch.Tensor, impl: str | None) -> ConvPlan 
         selectors=selectors,
         spatial=spatial,
         head=ViewOf(lambda out: (out[:patch] if bias else out).view(c_group, kernel)),
+        grouped=resolve_impl(impl, device) == "triton" and taps is not None and by_group is None,
     )
 
 
@@ -267,7 +270,10 @@ class ConvRule(FisherRule):
         if plan.pad is not None:
             x = F.pad(x.unsqueeze(0) if plan.unsqueeze else x, plan.pad, mode=plan.pad_mode)
         plan.reduce(x, plan.per_position)
-        then(gather_taps, plan, plan.head(out))  # after the reduction, if it is queued
+        if plan.grouped:
+            gather_or_mm(plan.by_channel, plan.taps, plan.head(out))
+        else:
+            then(gather_taps, plan, plan.head(out))  # after the reduction, if it is queued
         return plan.count
 
     def input_saved(self, module):
