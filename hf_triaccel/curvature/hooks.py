@@ -62,10 +62,16 @@ def in_checkpoint_recompute() -> bool:
 
 def _kept(layer: LayerFactors, module: nn.Module, x: torch.Tensor) -> bool:
     """Whether the forward of ``module`` keeps ``x`` itself for the backward: its rule
-    says so, and autocast does not cast it first."""
+    says so, autocast does not cast it first, and no saved-tensor hooks (activation
+    checkpointing, offloading) take what the forward saves elsewhere."""
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
         return False
+    try:
+        if _current_saved_tensors_hooks() is not None:
+            return False
+    except (AttributeError, TypeError):
+        return False  # a torch without this query: take the statistic at once
     return layer.rule.input_saved(module)
 
 

@@ -85,6 +85,7 @@ class FisherStatisticsRollback:
                 "Fisher statistics from before this step are present: the step cannot be "
                 "re-run exactly. Let the controller own gradient accumulation."
             )
+        self.collector.batches.clear()  # what the failed attempt queued, and holds
         for ly in self.collector.layers.values():
             ly.reset()
 

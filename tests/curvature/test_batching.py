@@ -200,3 +200,16 @@ def test_inputs_cast_by_autocast_are_taken_at_once():
         assert len(collector.batches.activations) == 1
     collector.fold(0.9)  # a fold launches what waits
     assert len(collector.batches.activations) == 0
+
+
+def test_inputs_under_activation_checkpointing_are_taken_at_once():
+    """A checkpointed forward keeps nothing it saves: holding its inputs until the
+    backward would undo what checkpointing saves."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    collector = FisherCollector(model, impl="triton")
+    checkpoint(model, torch.randn(2, 4), use_reentrant=False)
+    assert len(collector.batches.activations) == 0
+    model(torch.randn(2, 4))  # without it, both inputs may wait
+    assert len(collector.batches.activations) == 2
