@@ -3,9 +3,10 @@
 On a step whose pace the host sets, every statistic launched on its own costs its launch's
 host time. While a :class:`StatisticsBatch` is active (:func:`activate`), the built-in
 rules' row sums are queued instead of launched (:func:`queue_or_launch`), with what must
-follow them (a convolution's tap gather: :func:`then`); :meth:`StatisticsBatch.flush`
-launches every queued reduction of one input dtype and block shape as one kernel
-(:func:`~hf_triaccel.kernels.stats` ``launch_grouped``), then runs what follows, in order.
+follow them (a convolution's tap gather: :func:`gather_or_mm`, or any step: :func:`then`);
+:meth:`StatisticsBatch.flush` launches every queued reduction of one input dtype and block
+shape as one kernel (``hf_triaccel.kernels.grouped.launch_grouped``), then the gathers
+(``launch_gathers``), then what follows, in order.
 
 A collector keeps two (:class:`RefreshBatches`). The activation sums of layers whose
 forward keeps its input for the backward anyway (:meth:`FisherRule.input_saved`) wait
@@ -17,6 +18,7 @@ parameter of the collector's layers, and at most until the backward ends.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +29,9 @@ import torch
 # refresh step stays under AdamW's wherever the backward's own peak falls.
 GRADIENT_BYTES_PER_PARAMETER = 2
 
-_ACTIVE: list[StatisticsBatch | None] = [None]  # the batch the running hook queues into
+# The batch the running hook queues into, per thread: the autograd engine may run the
+# hooks of two devices' backwards at once.
+_ACTIVE = threading.local()
 
 
 class StatisticsBatch:
@@ -127,8 +131,8 @@ def _grouped() -> Any:
 def activate(batch: StatisticsBatch | None) -> StatisticsBatch | None:
     """Makes ``batch`` the one the statistics queue into (``None``: launch at once);
     returns the one active before, to restore."""
-    previous = _ACTIVE[0]
-    _ACTIVE[0] = batch
+    previous = getattr(_ACTIVE, "batch", None)
+    _ACTIVE.batch = batch
     return previous
 
 
@@ -136,7 +140,7 @@ def queue_or_launch(
     launch: Any, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False
 ) -> None:
     """``launch(x, out, scale, accumulate)``, queued in the active batch if there is one."""
-    batch = _ACTIVE[0]
+    batch = getattr(_ACTIVE, "batch", None)
     if batch is None:
         launch(x, out, scale, accumulate)
     else:
@@ -146,7 +150,7 @@ def queue_or_launch(
 def gather_or_mm(sums: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> None:
     """``torch.mm(sums, taps, out=out)``, queued in the active batch if there is one (for
     statistics that Triton takes: the batch launches it with Triton)."""
-    batch = _ACTIVE[0]
+    batch = getattr(_ACTIVE, "batch", None)
     if batch is None:
         torch.mm(sums, taps, out=out)
     else:
@@ -156,7 +160,7 @@ def gather_or_mm(sums: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> N
 def then(fn: Callable[..., Any], *args: Any) -> None:
     """``fn(*args)`` after the active batch's reductions (now, without one): the step of a
     statistic that reads what a queued reduction writes."""
-    batch = _ACTIVE[0]
+    batch = getattr(_ACTIVE, "batch", None)
     if batch is None:
         fn(*args)
     else:
@@ -178,7 +182,7 @@ class RefreshBatches:
     def backward_started(self) -> None:
         """Called by each gradient hook: flushes the activation sums and, once per
         backward, asks the autograd engine to flush the gradient sums at its end."""
-        if self.activations.entries or self.activations.after:
+        if len(self.activations):
             self.activations.flush()
         if not self.queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
