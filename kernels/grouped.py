@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_triaccel.kernels.stats import NUM_WARPS, TILE, ReductionLaunch, write_tail
+from hf_triaccel.kernels.stats import NUM_WARPS, TILE, ReductionLaunch, slab_sums, write_tail
 
 # Sequences of reductions whose tables are kept: every flush of a refresh step is one (a
 # model of hundreds of layers whose gradients are launched a few at a time has hundreds),
@@ -85,14 +85,14 @@ def _grouped_rows_kernel(
     col_mask = cols < n_cols
     row_start = split * rows_per_split
     row_end = tl.minimum(row_start + rows_per_split, n_rows)
-    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    for r in range(row_start, row_end, BLOCK_N):
-        rows = r + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]  # (BLOCK_N, BLOCK_D)
-        v = tl.load(x_ptr + rows[:, None] * stride_row + cols[None, :], mask=mask, other=0.0)
-        v = v.to(tl.float32)
-        acc += tl.where(square, v * v, v)
-    total = tl.sum(acc, axis=0)
+    if square:  # both bodies compiled, one run
+        total = slab_sums(
+            x_ptr, cols, col_mask, row_start, row_end, stride_row, True, BLOCK_N, BLOCK_D
+        )
+    else:
+        total = slab_sums(
+            x_ptr, cols, col_mask, row_start, row_end, stride_row, False, BLOCK_N, BLOCK_D
+        )
 
     finish = n_splits == 1
     if n_splits > 1:

@@ -141,6 +141,31 @@ def _epilogue(
 
 
 @triton.jit
+def slab_sums(
+    x_ptr,
+    cols,
+    col_mask,
+    row_start,
+    row_end,
+    stride_row,
+    SQUARE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Float32 sums over rows ``row_start:row_end`` of ``x`` (unit column stride) at the
+    columns ``cols``, of squares when ``SQUARE``: the body of every row-sum kernel."""
+    # A 2-D accumulator keeps the loop free of cross-thread reductions; one at the end.
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for r in range(row_start, row_end, BLOCK_N):
+        rows = r + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]  # (BLOCK_N, BLOCK_D)
+        # int64 row offsets: N * stride can pass 2^31 elements.
+        ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
+        acc += _load_term(ptrs, mask, SQUARE)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
 def _sum_rows_kernel(
     x_ptr,
     out_ptr,
@@ -173,15 +198,9 @@ def _sum_rows_kernel(
     col_mask = cols < n_cols
     row_start = pid_s * rows_per_split
     row_end = tl.minimum(row_start + rows_per_split, n_rows)
-    # A 2-D accumulator keeps the loop free of cross-thread reductions; one at the end.
-    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    for r in range(row_start, row_end, BLOCK_N):
-        rows = r + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]  # (BLOCK_N, BLOCK_D)
-        # int64 row offsets: N * stride can pass 2^31 elements.
-        ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
-        acc += _load_term(ptrs, mask, SQUARE)
-    total = tl.sum(acc, axis=0)
+    total = slab_sums(
+        x_ptr, cols, col_mask, row_start, row_end, stride_row, SQUARE, BLOCK_N, BLOCK_D
+    )
     _epilogue(
         out_ptr, part_ptr, ticket_ptr, cols, col_mask, total, pid_d, pid_s, n_splits,
         n_cols, scale, tail_len, tail_value, SPLIT, ACCUMULATE, TAIL, BLOCK_D, BLOCK_S,
