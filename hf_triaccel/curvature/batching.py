@@ -203,6 +203,8 @@ class RefreshBatches:
         self.gradients.flush()
 
     def clear(self) -> None:
-        """Forgets everything queued (the hooks are removed, or the statistics reset)."""
+        """Forgets everything queued (a failed attempt's statistics are dropped); a
+        backward that failed before its end asked for no flush any more."""
         self.activations.clear()
         self.gradients.clear()
+        self.queued = False
