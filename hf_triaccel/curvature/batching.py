@@ -172,24 +172,25 @@ class RefreshBatches:
     gradient sums, launched before the gradients they hold pass ``budget`` bytes, and
     when the backward ends."""
 
-    __slots__ = ("activations", "gradients", "queued")
+    __slots__ = ("activations", "gradients", "task")
 
     def __init__(self, budget: int = 0) -> None:
         self.activations = StatisticsBatch()  # the inputs are alive anyway: no budget
         self.gradients = StatisticsBatch(budget)
-        self.queued = False  # the end-of-backward flush is queued with the engine
+        self.task = -1  # the backward (graph task) whose end will flush the gradient sums
 
     def backward_started(self) -> None:
         """Called by each gradient hook: flushes the activation sums and, once per
         backward, asks the autograd engine to flush the gradient sums at its end."""
         if len(self.activations):
             self.activations.flush()
-        if not self.queued:
+        task = torch._C._current_graph_task_id()
+        if task != self.task:  # a new backward (one that failed never ended)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-            self.queued = True
+            self.task = task
 
     def _backward_ended(self) -> None:
-        self.queued = False
+        self.task = -1
         self.gradients.flush()
 
     def gradient_taken(self) -> None:
@@ -203,8 +204,6 @@ class RefreshBatches:
         self.gradients.flush()
 
     def clear(self) -> None:
-        """Forgets everything queued (a failed attempt's statistics are dropped); a
-        backward that failed before its end asked for no flush any more."""
+        """Forgets everything queued (a failed attempt's statistics are dropped)."""
         self.activations.clear()
         self.gradients.clear()
-        self.queued = False

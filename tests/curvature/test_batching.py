@@ -213,3 +213,36 @@ def test_inputs_under_activation_checkpointing_are_taken_at_once():
     assert len(collector.batches.activations) == 0
     model(torch.randn(2, 4))  # without it, both inputs may wait
     assert len(collector.batches.activations) == 2
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose first backward raises: a backward that fails half-way."""
+
+    failed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not _FailOnce.failed:
+            _FailOnce.failed = True
+            raise RuntimeError("a backward that fails")
+        return grad
+
+
+def test_a_backward_after_a_failed_one_still_launches_its_gradient_sums():
+    first, second = nn.Linear(4, 5), nn.Linear(5, 3)
+    collector = FisherCollector(nn.ModuleList([first, second]), impl="triton")
+    collector.batches.gradients.budget = 1 << 30  # every gradient waits for the end
+
+    def backward():
+        second(_FailOnce.apply(first(torch.randn(2, 4)))).square().sum().backward()
+
+    _FailOnce.failed = False
+    with pytest.raises(RuntimeError, match="fails"):
+        backward()  # the second layer's sums were queued; the end never came
+    assert len(collector.batches.gradients) == 1
+    backward()
+    assert len(collector.batches.gradients) == 0
