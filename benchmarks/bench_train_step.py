@@ -8,9 +8,10 @@ tokens, its language-model loss), in each of ``--layouts`` (default
 ``channels_last,nchw``: the layout hf_triaccel's Trainer gives a model with 2-D
 convolutions, and torch's default; the text model has one layout, ``none``);
 AdaFisherW refreshing its factors on every step and on none: step time and peak memory,
-as ratios against the fastest AdamW(fused) row of the run. ``--host``: the step's host
-work (on a CPU the launches are counted, not run, and the model narrowed). README.md:
-method and columns.
+as ratios against the fastest AdamW(fused) row of the run (with ``--rounds``, every
+variant measured in turn that many times: each ratio is the median of the rounds'
+ratios). ``--host``: the step's host work (on a CPU the launches are counted, not run,
+and the model narrowed). README.md: method and columns.
 
 Usage:
     python benchmarks/bench_train_step.py [--model M] [--layouts L] [--host] --out "$OUT"
@@ -43,6 +44,7 @@ OPTIONS = {
     "image_size": (int, None, None, "image side, or tokens a sample (default by --model)"),
     "warmup": (int, 2, 20, "untimed steps (--host: 3)"),
     "steps": (int, 4, 100, "timed steps (--host: 40, smoke 3)"),
+    "rounds": (int, 1, 1, "rounds of every variant in turn; ratios: the median over rounds"),
 }
 
 
@@ -124,6 +126,24 @@ def measure(row: dict, args: Any) -> None:
     harness.free_memory(device)
 
 
+def measure_rounds(rows: list[dict], args: Any) -> None:
+    """``--rounds`` rounds of every variant in turn (:func:`measure`), so that a drift of
+    the host's speed hits every variant alike: each row keeps its rounds' medians
+    (``round_ms``), the median of those as its step time and their range as its spread;
+    peak memory is the last round's."""
+    medians: list[list[float]] = [[] for _ in rows]
+    for _ in range(args.rounds):
+        for row, kept in zip(rows, medians, strict=True):
+            if row["status"] == "ok":
+                measure(row, args)
+                kept.append(row.get("median_ms"))
+    if args.rounds > 1:
+        for row, kept in zip(rows, medians, strict=True):
+            row["round_ms"] = kept
+            if row["status"] == "ok" and None not in kept:
+                row.update(median_ms=float(np.median(kept)), p20_ms=min(kept), p80_ms=max(kept))
+
+
 def measure_host(rows: list[dict], args: Any) -> None:
     """Operators, launches and host time per step of every variant; the variants take
     turns, so that a drift of the host's speed hits them alike."""
@@ -184,13 +204,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.size = "full" if cuda else "narrow"  # the module structure: the same host work
         measure_host(rows, args)
     else:
-        for row in rows:
-            measure(row, args)
+        measure_rounds(rows, args)
     key = "host_ms" if args.host else "median_ms"
     adamw = [r for r in rows if r["optimizer"] == "AdamW" and r.get(key)]
     fastest = min(adamw, key=lambda r: r[key], default=None)
     baseline = lambda r: r is fastest
     harness.add_ratio(rows, key, "vs_adamw", baseline)
+    if args.rounds > 1 and fastest is not None:  # each round's ratio, then their median
+        for row in rows:
+            pairs = zip(row["round_ms"], fastest["round_ms"], strict=False)  # failed rounds
+            ratios = [ms / base for ms, base in pairs]
+            row["round_vs_adamw"] = ratios
+            row["vs_adamw"] = float(np.median(ratios)) if row.get(key) else None
     harness.add_ratio(rows, "peak_bytes", "peak_vs_adamw", baseline)
     refreshes = {None: "-", True: "every step", False: "no"}
     fmt = harness.fmt
@@ -208,8 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         columns["x AdamW"] = lambda r: fmt(r["vs_adamw"] if cuda else None, ".2f", "x")
     else:
         columns["step ms (median)"] = lambda r: fmt(r.get("median_ms"))
-        columns["p20-p80 ms"] = lambda r: f"{fmt(r.get('p20_ms'))}-{fmt(r.get('p80_ms'))}"
+        spread = "rounds' min-max ms" if args.rounds > 1 else "p20-p80 ms"
+        columns[spread] = lambda r: f"{fmt(r.get('p20_ms'))}-{fmt(r.get('p80_ms'))}"
         columns["x AdamW(fused)"] = lambda r: fmt(r["vs_adamw"], ".2f", "x")
+        if args.rounds > 1:
+            columns["rounds: x AdamW(fused)"] = lambda r: " / ".join(
+                fmt(x, ".2f", "x") for x in r.get("round_vs_adamw") or []
+            )
         columns["peak GiB"] = lambda r: harness.gib(r.get("peak_bytes"))
         columns["peak x AdamW(fused)"] = lambda r: fmt(r["peak_vs_adamw"], ".2f", "x")
         columns["refresh reads GiB"] = lambda r: harness.gib(r.get("refresh_bytes"))
@@ -219,8 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{args.model} ({args.size}), batch {args.batch_size}, {sample}, bf16 autocast, "
         f"layouts {args.layouts}; {args.steps} timed steps "
-        f"after {args.warmup} warm-up steps; baseline of the ratios: {base_text} (the "
-        "fastest AdamW row)"
+        f"after {args.warmup} warm-up steps, {args.rounds} round(s); baseline of the ratios: "
+        f"{base_text} (the fastest AdamW row)"
     )
     config = {"autocast": "bfloat16", "lr": harness.LR, "weight_decay": harness.WEIGHT_DECAY}
     config["baseline"] = None if fastest is None else {"optimizer": "AdamW(fused)", **fastest}

@@ -101,6 +101,20 @@ def test_bench_train_step_smoke(bench, tmp_path):
     assert payload["config"]["baseline"]["layout"] == fastest["layout"]
 
 
+def test_bench_train_step_rounds_smoke(bench, tmp_path):
+    """Every variant measured in turn, twice: medians and ratios over the rounds."""
+    args = ("--impls", "foreach", "--layouts", "channels_last", "--rounds", "2")
+    rows = _run(bench, "bench_train_step", tmp_path, *args)["results"]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["status"] == "ok", row["note"]
+        assert len(row["round_ms"]) == len(row["round_vs_adamw"]) == 2
+        assert row["median_ms"] == pytest.approx(sum(row["round_ms"]) / 2)
+        assert row["p20_ms"] == min(row["round_ms"]) and row["p80_ms"] == max(row["round_ms"])
+        assert row["vs_adamw"] == pytest.approx(sum(row["round_vs_adamw"]) / 2)
+    assert rows[0]["round_vs_adamw"] == [1.0, 1.0]  # AdamW against itself, each round
+
+
 def test_bench_train_step_vit_smoke(bench, tmp_path):
     flags = ("--model", "vit_base_patch16_224", "--impls", "foreach", "--layouts", "channels_last")
     payload = _run(
