@@ -14,6 +14,9 @@ The tables: the geometry of each input and the program-to-work map are worked ou
 per sequence of reductions and kept with their tickets; what changes from call to call
 (the addresses, the accumulation flag, the scale) is one small host-to-device copy,
 skipped when nothing changed.
+
+:func:`launch_gathers` does the same for the convolutions' tap gathers that follow their
+reductions: one kernel per selector width computes every queued ``sums @ taps``.
 """
 
 from __future__ import annotations
