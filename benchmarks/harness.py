@@ -204,11 +204,14 @@ class LaunchCounter:
     def __init__(self, stub: bool) -> None:
         from triton.runtime.jit import KernelInterface
 
-        from hf_triaccel.kernels import stats, update
+        from hf_triaccel.kernels import grouped, stats, update
 
         self.count = 0
-        kernels = [k for m in (stats, update) for k in vars(m).values()]
-        self._patched = [k for k in kernels if isinstance(k, KernelInterface)]
+        # the kernels only: the @triton.jit helpers they call are not launched
+        named = [(n, k) for m in (stats, update, grouped) for n, k in vars(m).items()]
+        self._patched = [
+            k for n, k in named if isinstance(k, KernelInterface) and n.endswith("_kernel")
+        ]
         for kernel in self._patched:
             run = kernel.run
 
