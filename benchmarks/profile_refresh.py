@@ -38,6 +38,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from hf_triaccel import AdaFisherW
+from hf_triaccel.curvature.batching import StatisticsBatch
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.layer import LayerFactors
 
@@ -62,12 +63,15 @@ SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize
 @contextlib.contextmanager
 def labelled_statistics() -> Iterator[None]:
     """Names the statistics and the fold in the profile: each layer's ``a`` and ``g``
-    writes as ``a: RULE`` / ``g: RULE`` and the collector's fold as ``fold``. Labels
-    cost host time of their own, so only profiled steps carry them."""
-    take_a, take_g, fold = (
+    writes as ``a: RULE`` / ``g: RULE``, the launches of what they queued as ``flush``
+    (wherever it runs: the backward's start and end, past the gradient budget, the fold)
+    and the collector's fold as ``fold``. Labels cost host time of their own, so only
+    profiled steps carry them."""
+    take_a, take_g, fold, flush = (
         LayerFactors.take_activation,
         LayerFactors.take_gradient,
         FisherCollector.fold,
+        StatisticsBatch.flush,
     )
 
     def labelled(method: Callable, label: Callable[[Any], str]) -> Callable:
@@ -80,11 +84,12 @@ def labelled_statistics() -> Iterator[None]:
     LayerFactors.take_activation = labelled(take_a, lambda ly: f"a: {type(ly.rule).__name__}")
     LayerFactors.take_gradient = labelled(take_g, lambda ly: f"g: {type(ly.rule).__name__}")
     FisherCollector.fold = labelled(fold, lambda _: "fold")
+    StatisticsBatch.flush = labelled(flush, lambda _: "flush")
     try:
         yield
     finally:
         LayerFactors.take_activation, LayerFactors.take_gradient = take_a, take_g
-        FisherCollector.fold = fold
+        FisherCollector.fold, StatisticsBatch.flush = fold, flush
 
 
 def phased_step(opt: torch.optim.Optimizer, loss_of: Callable, device: torch.device) -> Callable:
@@ -118,7 +123,7 @@ def per_step(events: Sequence[Any], steps: int, cuda: bool) -> dict[str, Any]:
     device ms), the totals and the time per kernel (per operator on a CPU)."""
     ranges: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for e in events:
-        labelled = e.name in PHASES or e.name == "fold" or e.name[:3] in ("a: ", "g: ")
+        labelled = e.name in PHASES or e.name in ("fold", "flush") or e.name[:3] in ("a: ", "g: ")
         if labelled and e.device_type == DeviceType.CPU:
             entry = ranges[e.name]
             entry[0] += 1
@@ -186,7 +191,9 @@ def phase_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     labels = set().union(*(r["ranges"] for r in results.values()))
     inside = {
         "forward": sorted(x for x in labels if x.startswith("a: ")),
-        "backward": sorted(x for x in labels if x.startswith("g: ")),
+        # most flushes run in the backward; the row counts them all
+        "backward": sorted(x for x in labels if x.startswith("g: "))
+        + ["flush"] * ("flush" in labels),
         "optimizer step": ["fold"] if "fold" in labels else [],
     }
     order = [(p, False) for p in PHASES]

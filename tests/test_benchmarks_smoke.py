@@ -656,11 +656,13 @@ def test_fisher_ranges_smoke(bench, capsys):
 def test_profile_refresh_smoke(bench, tmp_path):
     from torch import nn
 
+    from hf_triaccel.curvature.batching import StatisticsBatch
     from hf_triaccel.curvature.layer import LayerFactors
 
-    taken = LayerFactors.take_activation
+    taken, flush = LayerFactors.take_activation, StatisticsBatch.flush
     payload = _run(bench, "profile_refresh", tmp_path, "--trace")
-    assert LayerFactors.take_activation is taken  # the labels are gone after profiling
+    # the labels are gone after profiling
+    assert LayerFactors.take_activation is taken and StatisticsBatch.flush is flush
     results = payload["results"]
     refresh = results["AdaFisherW, refresh every step"]["ranges"]
     convs = sum(
@@ -670,6 +672,7 @@ def test_profile_refresh_smoke(bench, tmp_path):
     # every conv writes its a and g once a step; the fold runs once, inside the step
     assert refresh["a: ConvRule"][0] == refresh["g: ConvRule"][0] == convs
     assert refresh["fold"][0] == 1
+    assert refresh["flush"][0] >= 2  # the fold launches what the batches still hold
     for name in ("AdamW(fused)", "AdaFisherW, no refresh"):
         ranges = results[name]["ranges"]
         assert set(ranges) == {"zero_grad", "forward", "backward", "optimizer step"}
