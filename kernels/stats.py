@@ -337,23 +337,11 @@ class ReductionLaunch:
     then ``value`` last (where a normalisation layer's sums keep their size entry).
     """
 
-    __slots__ = (
-        "kernel",
-        "grid",
-        "kwargs",
-        "part",
-        "tickets",
-        "compiled",
-        "template",
-        "at",
-        "rows",
-    )
+    __slots__ = ("kernel", "grid", "kwargs", "part", "tickets", "compiled", "template", "at")
 
-    def __init__(self, kernel, grid, sizes, meta, splits, n, device, tail, rows=None):
+    def __init__(self, kernel, grid, sizes, meta, splits, n, device, tail):
         self.kernel = kernel
         self.grid = grid
-        # a row sum's (rows, columns, row stride, square, tail), for grouped launches
-        self.rows = rows
         block = meta[_BLOCK_KEY[kernel]]
         self.kwargs = dict(
             sizes,
@@ -377,6 +365,16 @@ class ReductionLaunch:
             values = {"ticket_ptr": self.tickets, **self.kwargs}
             self.template = [values.get(name) for name in kernel.arg_names]
             self.at = (kernel.arg_names.index("scale"), kernel.arg_names.index("ACCUMULATE"))
+
+    @property
+    def rows(self) -> tuple[int, int, int, bool, tuple[int, float] | None] | None:
+        """A row sum's (rows, columns, row stride, square, tail), which the grouped
+        launches read; ``None`` for a channel sum."""
+        if self.kernel is not _sum_rows_kernel:
+            return None
+        kw = self.kwargs
+        tail = (kw["tail_len"], kw["tail_value"]) if kw["TAIL"] else None
+        return kw["n_rows"], kw["n_cols"], kw["stride_row"], kw["SQUARE"], tail
 
     def __call__(
         self, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False
@@ -442,9 +440,8 @@ def rows_launch(
     args["rows_per_split"] = blocks_per_split * block_n
     meta = {"SQUARE": square, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": NUM_WARPS}
     return ReductionLaunch(
-        _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail,
-        rows=(n, d, stride_row, square, tail),
-    )  # fmt: skip
+        _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail
+    )
 
 
 def channels_launch(

@@ -106,11 +106,12 @@ class StatisticsBatch:
                 else:
                     launch_grouped(key, group)
         if gathers:
+            grouped = _grouped()
             by_width: dict[int, list[tuple]] = {}
             for entry in gathers:
-                by_width.setdefault(_grouped().gather_key(entry[1]), []).append(entry)
+                by_width.setdefault(grouped.gather_key(entry[1]), []).append(entry)
             for width, group in by_width.items():
-                _grouped().launch_gathers(width, group)
+                grouped.launch_gathers(width, group)
         for fn, args in after:
             fn(*args)
 
