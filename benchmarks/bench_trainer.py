@@ -61,7 +61,9 @@ def run_loop(
     model = harness.build_model(MODEL, args.size, num_classes=data.num_classes).to(device)
     channels_last = args.layout == "channels_last" and to_channels_last(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
-    forward = torch.compile(model, backend=args.compile_backend) if compiled(name) else model
+    forward = model
+    if compiled(name):
+        forward = torch.compile(model, backend=args.compile_backend, mode=args.compile_mode)
     compile_clock = CompileClock(device) if compiled(name) else None
     total = args.warmup + args.steps
     scheduler = get_scheduler(LR_SCHEDULE, optimizer, num_warmup_steps=0, num_training_steps=total)
@@ -121,6 +123,7 @@ def run_trainer(
     kwargs.update(triaccel_channels_last=args.layout == "channels_last")
     if compiled(name):
         kwargs.update(torch_compile=True, torch_compile_backend=args.compile_backend)
+        kwargs.update(torch_compile_mode=args.compile_mode)
     trainer = harness.train(TriAccelTrainer, TriAccelArguments, model, data, clock, **kwargs)
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     update_every = getattr(optimizer, "update_every", None)
@@ -189,6 +192,10 @@ def parser_for(description: str, options: dict[str, tuple], variants: Sequence[s
         "--layout", choices=("channels_last", "nchw"), default="channels_last", help="all variants"
     )
     parser.add_argument("--compile-backend", default="inductor", help="of the _compiled variants")
+    parser.add_argument(
+        "--compile-mode",
+        help="of the _compiled variants: torch.compile's mode (reduce-overhead: CUDA graphs)",
+    )
     parser.add_argument("--data", default="embedded", help="'embedded' or a parquet folder")
     parser.add_argument("--logging-steps", type=int, default=20, help="loss read-back; 0: never")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping; 0: off")
@@ -260,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = dict(model=MODEL, train_images=len(data), world_size=world, autocast=args.bf16)
     config.update(global_batch_size=world * args.batch_size, lr_scheduler=LR_SCHEDULE)
     config.update(label_smoothing=LABEL_SMOOTHING, cudnn_benchmark=args.bf16)
+    config.update(compile_backend=args.compile_backend, compile_mode=args.compile_mode)
     config["baseline"] = None if fastest is None else fastest["variant"]
     config["augmentation"] = "random crop (4-pixel zero padding) and flip, on the device"
     config["hyperparameters"] = {k: harness.HYPERPARAMETERS[v[2]] for k, v in VARIANTS.items()}

@@ -58,11 +58,7 @@ from hf_triaccel.integrations.trainer_args import (
     uses_adafisher,
 )
 from hf_triaccel.integrations.trainer_data import DeviceImagesMixin
-from hf_triaccel.integrations.trainer_loss import (
-    fallback_loss,
-    forward_parameters,
-    takes_whole_batch,
-)
+from hf_triaccel.integrations.trainer_loss import LossRoutes, fallback_loss, forward_parameters
 from hf_triaccel.optim.adafisher import AdaFisher
 from hf_triaccel.optim.groups import no_decay_names
 from hf_triaccel.optim.steering import StepSizeSteering
@@ -108,7 +104,9 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin
         self.eval_pieces: ElasticEvaluation | None = None
         self._built: Any = None  # the optimizer this mixin built and hooked
         self._carried_state: dict[str, Any] | None = None
-        self._takes_batch: dict[tuple, bool] = {}
+        self._loss_routes = LossRoutes(
+            lambda m: self.accelerator.unwrap_model(m, keep_torch_compile=False)
+        )
         if setting(self.args, "triaccel_precision"):
             self.add_callback(PrecisionReport(self))
         if uses_adafisher(self.args):
@@ -270,12 +268,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin
         num_items_in_batch=None,
     ):
         # the signature of the model's own forward, not of a compile wrapper's
-        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        signature = forward_parameters(unwrapped)
-        key = (type(unwrapped), tuple(inputs))
-        stock = self._takes_batch.get(key)
-        if stock is None:
-            stock = self._takes_batch[key] = takes_whole_batch(signature, inputs)
+        stock, signature = self._loss_routes.lookup(model, inputs)
         if stock:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         loss, outputs = fallback_loss(

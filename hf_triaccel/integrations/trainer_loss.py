@@ -74,6 +74,51 @@ def takes_positionally(
     return not var_keyword and bool(features) and not features & names
 
 
+class LossRoutes:
+    """Which loss path a batch takes for each model a Trainer step calls, looked up once.
+
+    Unwrapping a model (Accelerate walks its module tree) and reading its ``forward``
+    signature cost host time that a step bound by the host pays in full; both depend only
+    on the model object a step calls (a compile wrapper, its eager module on refresh
+    steps, a DDP wrapper) and the batch's keys, so they are kept per model object.
+    ``unwrap`` is Accelerate's ``unwrap_model`` (or any function returning the module that
+    ``model`` wraps, compile wrappers included).
+
+    Example:
+        >>> routes = LossRoutes(unwrap=lambda m: m)
+        >>> model = nn.Linear(3, 4)
+        >>> routes.lookup(model, ["input", "labels"])
+        (False, ({'input'}, False))
+        >>> routes.lookup(model, ["input", "labels"]) == routes.lookup(model, ["input", "labels"])
+        True
+    """
+
+    # wrappers are rebuilt by each train() (DDP) or compile call: a few models a run
+    _MODELS = 8
+
+    def __init__(self, unwrap: Any) -> None:
+        self.unwrap = unwrap
+        self._signatures: dict[int, tuple[nn.Module, tuple[set[str], bool]]] = {}
+        self._stock: dict[tuple[int, tuple[str, ...]], bool] = {}
+
+    def lookup(self, model: nn.Module, keys: Iterable[str]) -> tuple[bool, tuple[set[str], bool]]:
+        """``(whether the Trainer's own compute_loss takes the batch, the signature of
+        the model's own forward)`` for a batch with ``keys`` given to ``model``."""
+        entry = self._signatures.get(id(model))
+        if entry is None or entry[0] is not model:
+            if len(self._signatures) >= self._MODELS:
+                self._signatures.clear()
+                self._stock.clear()
+            entry = (model, forward_parameters(self.unwrap(model)))
+            self._signatures[id(model)] = entry
+            self._stock = {k: v for k, v in self._stock.items() if k[0] != id(model)}
+        key = (id(model), tuple(keys))
+        stock = self._stock.get(key)
+        if stock is None:
+            stock = self._stock[key] = takes_whole_batch(entry[1], key[1])
+        return stock, entry[1]
+
+
 def _loss_of(outputs: Any) -> torch.Tensor | None:
     if isinstance(outputs, Mapping):  # dict and transformers' ModelOutput
         return outputs.get("loss")
