@@ -9,6 +9,11 @@ wrapper holds (``OptimizedModule._orig_mod``: the same parameters, hooks and wra
 such as DDP or autocast) eagerly; every other step runs the compiled graph, traced while
 the collector is off. The statistics are those of an eager run.
 
+Under ``mode="reduce-overhead"`` the compiled graphs replay as CUDA graphs: a training
+step bound by the host's launches becomes bound by the device. A graph's outputs live in
+its memory until the next replay, which rules out several micro-batches per optimizer
+step (:func:`check_cuda_graphs`).
+
 :class:`CompileClock` reports the compilation's cost apart from training: the wall time
 of the first compiled step less that of the next.
 """
@@ -82,6 +87,53 @@ def route_refresh_steps(compiled: nn.Module, collector: Any) -> nn.Module:
 
     compiled.forward = forward
     return compiled
+
+
+# torch.compile modes that replay the compiled graphs as CUDA graphs
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_cuda_graphs(args: Any) -> None:
+    """Refuses CUDA graphs (``torch_compile_mode`` of the Trainer's ``args``) where one
+    optimizer step runs the model on several micro-batches: gradient accumulation or the
+    elastic batch (``elastic_batch``, ``auto_find_batch_size``), which splits a batch
+    that ran out of memory. A graph's backward leaves the first micro-batch's gradients
+    in the graph's own memory, which its next replay overwrites before they are added to
+    (pytorch/pytorch#169545): the gradients would be wrong.
+
+    Raises:
+        ValueError: naming the settings that conflict.
+
+    Example:
+        >>> from transformers import TrainingArguments
+        >>> check_cuda_graphs(TrainingArguments("out", torch_compile_mode="reduce-overhead"))
+        >>> check_cuda_graphs(
+        ...     TrainingArguments(
+        ...         "out", torch_compile_mode="reduce-overhead", gradient_accumulation_steps=4
+        ...     )
+        ... )
+        Traceback (most recent call last):
+        ...
+        ValueError: torch_compile_mode='reduce-overhead' (CUDA graphs) with gradient_accumul...
+    """
+    mode = args.torch_compile_mode if args.torch_compile else None
+    if mode not in CUDA_GRAPH_MODES:
+        return
+    accumulation = args.gradient_accumulation_steps
+    conflict = (
+        f"gradient_accumulation_steps={accumulation}"
+        if accumulation > 1
+        else "the elastic batch (elastic_batch / auto_find_batch_size)"
+        if getattr(args, "elastic_batch", False) or args.auto_find_batch_size
+        else None
+    )
+    if conflict is not None:
+        raise ValueError(
+            f"torch_compile_mode={mode!r} (CUDA graphs) with {conflict}: a CUDA graph's "
+            "next replay overwrites the gradients of the micro-batch before it; use one "
+            "micro-batch per optimizer step, or torch_compile_mode=None (compiled without "
+            "CUDA graphs)"
+        )
 
 
 class CompileClock:

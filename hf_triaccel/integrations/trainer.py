@@ -37,7 +37,12 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.integrations import trainer_compat
-from hf_triaccel.integrations.compiled import CompileClock, eager_module, step_module
+from hf_triaccel.integrations.compiled import (
+    CompileClock,
+    check_cuda_graphs,
+    eager_module,
+    step_module,
+)
 from hf_triaccel.integrations.elastic import ElasticEvaluation, TrainerElasticBatch
 from hf_triaccel.integrations.layout import (
     channels_last_batch,
@@ -111,6 +116,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin
             self.add_callback(PrecisionReport(self))
         if uses_adafisher(self.args):
             check_distributed_support(self.accelerator.distributed_type)
+        check_cuda_graphs(self.args)
         self.compile_clock: CompileClock | None = None
         if self.args.torch_compile:
             self.compile_clock = CompileClock(self.args.device)

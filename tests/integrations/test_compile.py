@@ -124,3 +124,52 @@ def test_prepare_triaccel_with_a_compiled_model_equals_eager(fresh_dynamo):
         eager_model.named_parameters(), compiled_model.parameters(), strict=True
     ):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [dict(gradient_accumulation_steps=2), dict(elastic_batch=True)],
+    ids=["accumulation", "elastic"],
+)
+def test_cuda_graphs_refused_with_several_micro_batches_a_step(tmp_path, extra, fresh_dynamo):
+    args = make_args(tmp_path, torch_compile_mode="reduce-overhead", **extra)
+    with pytest.raises(ValueError, match="reduce-overhead.*CUDA graphs"):
+        TriAccelTrainer(model=tiny_timm(), args=args, train_dataset=ImageSet())
+    # the same micro-batches without CUDA graphs, and CUDA graphs with one, are accepted
+    TriAccelTrainer(model=tiny_timm(), args=make_args(tmp_path, **extra), train_dataset=ImageSet())
+    args = make_args(tmp_path, torch_compile_mode="reduce-overhead")
+    TriAccelTrainer(model=tiny_timm(), args=args, train_dataset=ImageSet())
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_train_as_eager(tmp_path, fresh_dynamo, monkeypatch):
+    """``torch_compile_mode="reduce-overhead"``: the compiled steps replay CUDA graphs,
+    the refresh steps run eagerly between them; in float32 the parameters end where eager
+    training's do, to within a thousandth of the distance training moved them.
+
+    Tolerance: inductor reorders reductions (batch norm, the loss), which changes each
+    gradient entry in its last bits (relative 1e-6 in float32); the updates, a smooth
+    function of the gradients and of factors taken eagerly on the same data, differ from
+    eager's by about as much relatively, far below 1e-3 of the distance moved. A
+    gradient overwritten by a replay, or statistics taken from the wrong module, changes
+    an update by its own order: the distance moved.
+    """
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # matmuls: off by default
+    start = [p.detach().clone() for p in tiny_timm().parameters()]
+    runs = {}
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        kwargs = {} if mode is None else dict(torch_compile_mode=mode)
+        args = make_args(tmp_path / str(mode), max_steps=6, use_cpu=False, **kwargs)
+        model = tiny_timm()
+        trainer = TriAccelTrainer(model=model, args=args, train_dataset=ImageSet())
+        trainer.train()
+        runs[mode] = (model, trainer)
+    (eager, _), (graphed, trainer) = runs[None], runs["reduce-overhead"]
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+    assert trainer.optimizer.optimizer.fisher_steps == 6  # three refreshes, run eagerly
+    pairs = zip(eager.named_parameters(), graphed.parameters(), start, strict=True)
+    for (name, p), q, p0 in pairs:
+        moved = (p.cpu() - p0).abs().max().item()
+        assert moved > 0, name
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-3 * moved, msg=name)
