@@ -229,6 +229,14 @@ def test_bench_trainer_compiled_smoke(bench, tmp_path):
     )
 
 
+def test_trainer_host_costs_smoke(bench, tmp_path):
+    payload = _run(bench, "trainer_host_costs", tmp_path, "--repeats", "2")
+    rows = payload["results"]
+    assert {r["runner"] for r in rows} == {"Trainer", "loop"}
+    for row in rows:
+        assert 0 < row["best_us"] <= row["median_us"], row
+
+
 def test_bench_trainer_nchw_layout_smoke(bench, tmp_path):
     flags = (
         "--warmup",
