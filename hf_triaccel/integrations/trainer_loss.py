@@ -12,6 +12,7 @@ smoothing).
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -80,38 +81,40 @@ class LossRoutes:
     Unwrapping a model (Accelerate walks its module tree) and reading its ``forward``
     signature cost host time that a step bound by the host pays in full; both depend only
     on the model object a step calls (a compile wrapper, its eager module on refresh
-    steps, a DDP wrapper) and the batch's keys, so they are kept per model object.
+    steps, a DDP wrapper) and the batch's keys, so they are kept per model object, which
+    is held weakly: a wrapper that a later ``train()`` replaced is not kept alive.
     ``unwrap`` is Accelerate's ``unwrap_model`` (or any function returning the module that
     ``model`` wraps, compile wrappers included).
 
     Example:
-        >>> routes = LossRoutes(unwrap=lambda m: m)
+        >>> unwrapped = []
+        >>> routes = LossRoutes(unwrap=lambda m: unwrapped.append(m) or m)
         >>> model = nn.Linear(3, 4)
-        >>> routes.lookup(model, ["input", "labels"])
+        >>> routes.lookup(model, ["input", "labels"])  # not every entry is forward's
         (False, ({'input'}, False))
-        >>> routes.lookup(model, ["input", "labels"]) == routes.lookup(model, ["input", "labels"])
-        True
+        >>> routes.lookup(model, ["input"])
+        (True, ({'input'}, False))
+        >>> len(unwrapped)  # once for the model, whatever the batches
+        1
     """
-
-    # wrappers are rebuilt by each train() (DDP) or compile call: a few models a run
-    _MODELS = 8
 
     def __init__(self, unwrap: Any) -> None:
         self.unwrap = unwrap
-        self._signatures: dict[int, tuple[nn.Module, tuple[set[str], bool]]] = {}
+        self._signatures: dict[int, tuple[weakref.ref, tuple[set[str], bool]]] = {}
         self._stock: dict[tuple[int, tuple[str, ...]], bool] = {}
 
     def lookup(self, model: nn.Module, keys: Iterable[str]) -> tuple[bool, tuple[set[str], bool]]:
         """``(whether the Trainer's own compute_loss takes the batch, the signature of
         the model's own forward)`` for a batch with ``keys`` given to ``model``."""
         entry = self._signatures.get(id(model))
-        if entry is None or entry[0] is not model:
-            if len(self._signatures) >= self._MODELS:
-                self._signatures.clear()
-                self._stock.clear()
-            entry = (model, forward_parameters(self.unwrap(model)))
+        if entry is None or entry[0]() is not model:
+            # a new model, or a new one where a freed model's id was: forget the dead
+            dead = {i for i, (ref, _) in self._signatures.items() if ref() is None}
+            self._signatures = {i: e for i, e in self._signatures.items() if i not in dead}
+            dead.add(id(model))
+            self._stock = {k: v for k, v in self._stock.items() if k[0] not in dead}
+            entry = (weakref.ref(model), forward_parameters(self.unwrap(model)))
             self._signatures[id(model)] = entry
-            self._stock = {k: v for k, v in self._stock.items() if k[0] != id(model)}
         key = (id(model), tuple(keys))
         stock = self._stock.get(key)
         if stock is None:
