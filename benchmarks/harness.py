@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -422,8 +422,9 @@ def train(trainer_cls, arguments_cls, model, data, clock: StepClock, before=None
     return trainer
 
 
-def endless(loader: GPUBatchLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches epoch after epoch (each ``iter`` of the loader starts the next epoch)."""
+def endless(loader: Iterable[Any]) -> Iterator[Any]:
+    """Batches epoch after epoch (each ``iter`` of the loader, a ``GPUBatchLoader`` or a
+    ``DataLoader``, starts the next epoch)."""
     while True:
         yield from loader
 

@@ -20,7 +20,7 @@ Usage:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import accelerate.optimizer
@@ -61,12 +61,6 @@ def timer(device: torch.device, repeats: int) -> Callable[..., dict[str, float]]
     return time_it
 
 
-def endless(loader) -> Iterator[Any]:
-    """The loader's batches, epoch after epoch."""
-    while True:
-        yield from loader
-
-
 def measure(args: Any, data: Any) -> list[dict[str, Any]]:
     """Builds the Trainer (three steps trained, so that everything is set up) and times
     each piece; returns the rows."""
@@ -99,8 +93,8 @@ def measure(args: Any, data: Any) -> list[dict[str, Any]]:
 
     time_it = timer(device, args.repeats)
     handler, state = trainer.callback_handler, (trainer.args, trainer.state, trainer.control)
-    loader = endless(trainer.get_train_dataloader())
-    batches = endless(harness.image_batches(data, args.batch_size, channels_last=True))
+    loader = harness.endless(trainer.get_train_dataloader())
+    batches = harness.endless(harness.image_batches(data, args.batch_size, channels_last=True))
     pieces: list[tuple[str, str, Callable[[], Any], int, Callable[[], Any] | None]] = [
         ("Trainer", "model.train()", model.train, 200, None),
         (
