@@ -146,15 +146,19 @@ def test_cuda_graphs_refused_with_several_micro_batches_a_step(tmp_path, extra, 
 def test_compiled_training_ends_where_eager_does(tmp_path, fresh_dynamo, monkeypatch, mode):
     """Inductor's kernels, and with ``reduce-overhead`` their replay as CUDA graphs, with
     the refresh steps run eagerly between them: in float32 the parameters end where eager
-    training's do, to within a thousandth of the distance training moved them (the
-    ``default`` mode tells inductor's arithmetic apart from the CUDA graphs').
+    training's do (the ``default`` mode tells inductor's arithmetic apart from the CUDA
+    graphs').
 
     Tolerance: inductor reorders reductions (batch norm, the loss), which changes each
     gradient entry in its last bits (relative 1e-6 in float32); the updates, a smooth
     function of the gradients and of factors taken eagerly on the same data, differ from
-    eager's by about as much relatively, far below 1e-3 of the distance moved. A
-    gradient overwritten by a replay, or statistics taken from the wrong module, changes
-    an update by its own order: the distance moved.
+    eager's by about as much relatively: far below 1e-3 of the distance the parameter
+    moved. Each step then rounds the parameter to float32 at most twice (the decoupled
+    weight decay, the update), each time by half a unit in the last place of ``|p|``
+    (eps / 2 relative), independently in the two runs: over 6 steps at most 6 eps of the
+    largest ``|p|`` in a run, 12 eps between the two, bounded here by 16 eps. A gradient
+    overwritten by a replay, or statistics taken from the wrong module, changes an update
+    by its own order: the distance moved, above both terms.
     """
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # matmuls: off by default
     start = [p.detach().clone() for p in tiny_timm().parameters()]
@@ -175,4 +179,7 @@ def test_compiled_training_ends_where_eager_does(tmp_path, fresh_dynamo, monkeyp
         moved = (p.cpu() - p0).abs().max().item()
         assert moved > 0, name
         difference = (q - p).abs().max().item()
-        assert difference <= 1e-3 * moved, f"{name}: {difference:.3g} apart, moved {moved:.3g}"
+        rounding = 16 * torch.finfo(torch.float32).eps * p.abs().max().item()
+        assert difference <= 1e-3 * moved + rounding, (
+            f"{name}: {difference:.3g} apart, moved {moved:.3g}, rounding {rounding:.3g}"
+        )
