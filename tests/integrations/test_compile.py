@@ -9,6 +9,7 @@ is compiled once.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -141,45 +142,75 @@ def test_cuda_graphs_refused_with_several_micro_batches_a_step(tmp_path, extra, 
     TriAccelTrainer(model=tiny_timm(), args=args, train_dataset=ImageSet())
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compiled_training_ends_where_eager_does(tmp_path, fresh_dynamo, monkeypatch, mode):
-    """Inductor's kernels, and with ``reduce-overhead`` their replay as CUDA graphs, with
-    the refresh steps run eagerly between them: in float32 the parameters end where eager
-    training's do (the ``default`` mode tells inductor's arithmetic apart from the CUDA
-    graphs').
+class RecordingTrainer(TriAccelTrainer):
+    """Keeps, for each training step, the parameters it started from, its batch and the
+    gradients it left."""
 
-    Tolerance: inductor reorders reductions (batch norm, the loss), which changes each
-    gradient entry in its last bits (relative 1e-6 in float32); the updates, a smooth
-    function of the gradients and of factors taken eagerly on the same data, differ from
-    eager's by about as much relatively: far below 1e-3 of the distance the parameter
-    moved. Each step then rounds the parameter to float32 at most twice (the decoupled
-    weight decay, the update), each time by half a unit in the last place of ``|p|``
-    (eps / 2 relative), independently in the two runs: over 6 steps at most 6 eps of the
-    largest ``|p|`` in a run, 12 eps between the two, bounded here by 16 eps. A gradient
-    overwritten by a replay, or statistics taken from the wrong module, changes an update
-    by its own order: the distance moved, above both terms.
-    """
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # matmuls: off by default
-    start = [p.detach().clone() for p in tiny_timm().parameters()]
-    runs = {}
-    for compile_mode in (None, mode):
-        torch._dynamo.reset()
-        kwargs = {} if compile_mode is None else dict(torch_compile_mode=compile_mode)
-        args = make_args(tmp_path / str(compile_mode), max_steps=6, use_cpu=False, **kwargs)
-        model = tiny_timm()
-        trainer = TriAccelTrainer(model=model, args=args, train_dataset=ImageSet())
-        trainer.train()
-        runs[compile_mode] = (model, trainer)
-    (eager, _), (compiled, trainer) = runs[None], runs[mode]
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.records: list[tuple[list[torch.Tensor], dict, list[torch.Tensor]]] = []
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        start = [p.detach().clone() for p in self.model.parameters()]
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        grads = [p.grad.detach().clone() for p in self.model.parameters()]
+        self.records.append((start, {k: v.clone() for k, v in inputs.items()}, grads))
+        return loss
+
+
+def compiled_step_gaps(tmp_path, mode: str, use_cpu: bool) -> list[tuple[int, str, float, float]]:
+    """Trains ``tiny_timm`` for 6 steps compiled in ``mode`` (refreshing every second step,
+    eagerly), then recomputes each step's gradients eagerly from the parameters and batch
+    that step started from. Returns, per step and parameter, the gap between the two
+    gradients relative to that parameter's eager gradient and to the whole gradient."""
+    torch._dynamo.reset()
+    args = make_args(tmp_path, max_steps=6, use_cpu=use_cpu, torch_compile_mode=mode)
+    model = tiny_timm()
+    reference = copy.deepcopy(model)  # the hooks of a copy are inert
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=ImageSet())
+    trainer.train()
     assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
     assert trainer.optimizer.optimizer.fisher_steps == 6  # three refreshes, run eagerly
-    pairs = zip(eager.named_parameters(), compiled.parameters(), start, strict=True)
-    for (name, p), q, p0 in pairs:
-        moved = (p.cpu() - p0).abs().max().item()
-        assert moved > 0, name
-        difference = (q - p).abs().max().item()
-        rounding = 16 * torch.finfo(torch.float32).eps * p.abs().max().item()
-        assert difference <= 1e-3 * moved + rounding, (
-            f"{name}: {difference:.3g} apart, moved {moved:.3g}, rounding {rounding:.3g}"
-        )
+    reference.to(args.device).train()
+    gaps = []
+    for step, (start, batch, grads) in enumerate(trainer.records, 1):
+        with torch.no_grad():
+            for p, value in zip(reference.parameters(), start, strict=True):
+                p.copy_(value)
+        reference.zero_grad(set_to_none=True)
+        batch = {k: v.to(args.device) for k, v in batch.items()}
+        trainer.compute_loss(reference, batch).backward()
+        expected = [p.grad for p in reference.parameters()]
+        whole = torch.linalg.vector_norm(torch.stack([g.norm() for g in expected])).item()
+        for (name, _), got, want in zip(reference.named_parameters(), grads, expected, strict=True):
+            gap = (got - want).norm().item()
+            gaps.append((step, name, gap / max(want.norm().item(), 1e-30), gap / whole))
+    return gaps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_steps_compute_eager_gradients(tmp_path, fresh_dynamo, monkeypatch, mode):
+    """Each step of compiled training (inductor's kernels, replayed as CUDA graphs under
+    ``reduce-overhead``; the refresh steps between them eager) leaves the gradients that
+    the eager model computes from the same parameters and batch.
+
+    Whole runs cannot be compared: on this small network a relative change of 1e-6 in the
+    initial weights already moves some weights after 6 steps by a fifth of the distance
+    they move (a sensitive trajectory, not an error), so each step is checked from the
+    state it started in.
+
+    Tolerance: inductor reorders and fuses the float32 reductions behind each gradient
+    (batch norm's statistics over 8 images, the weight gradients' sums over up to 8 x 64
+    positions), which changes a gradient in its last bits: relative 1e-6 to 1e-5 of its
+    norm, bounded here by 1e-4. A parameter whose gradient cancels exactly (a bias before
+    batch norm) holds only that rounding, so its gap is bounded against the whole
+    gradient's norm instead (1e-5). A gradient a replay overwrote, or a step run on the
+    wrong module, is off by the order of the gradient itself.
+    """
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # matmuls: off by default
+    gaps = compiled_step_gaps(tmp_path, mode, use_cpu=False)
+    wrong = [g for g in gaps if g[2] > 1e-4 and g[3] > 1e-5]
+    assert not wrong, [
+        f"step {s} {n}: {r:.2g} of its gradient, {w:.2g} of all" for s, n, r, w in wrong
+    ]
