@@ -276,9 +276,7 @@ def parse_args(
     argv: Sequence[str] | None = None, recipe: str | None = None
 ) -> tuple[RecipeConfig, RecipeArguments, TriAccelArguments]:
     """Parses the flags (``sys.argv[1:]`` by default) over the recipe's defaults and checks
-    them; ``--epochs`` is another name for ``--num_train_epochs``. ``--torch_compile
-    true`` without a ``--torch_compile_mode`` compiles with CUDA graphs
-    (``reduce-overhead``) when each optimizer step runs one micro-batch.
+    them; ``--epochs`` is another name for ``--num_train_epochs``.
 
     Args:
         argv: the command line's flags.
@@ -338,11 +336,6 @@ def parse_args(
         check_arguments(recipe_args, args)
     except ValueError as exc:
         parser.error(str(exc))
-    one_micro_batch = args.gradient_accumulation_steps == 1 and not args.uses_elastic_batch
-    if args.torch_compile and args.torch_compile_mode is None and one_micro_batch:
-        # the recipes' batches have one size (whole batches only): CUDA graphs make a step
-        # bound by the host's launches bound by the device (BENCHMARKS.md)
-        args.torch_compile_mode = "reduce-overhead"
     return config, recipe_args, args
 
 

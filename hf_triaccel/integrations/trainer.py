@@ -39,7 +39,7 @@ from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.integrations import trainer_compat
 from hf_triaccel.integrations.compiled import (
     CompileClock,
-    check_cuda_graphs,
+    check_compile_settings,
     eager_module,
     step_module,
 )
@@ -116,7 +116,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin
             self.add_callback(PrecisionReport(self))
         if uses_adafisher(self.args):
             check_distributed_support(self.accelerator.distributed_type)
-        check_cuda_graphs(self.args)
+        check_compile_settings(self.args, uses_adafisher(self.args))
         self.compile_clock: CompileClock | None = None
         if self.args.torch_compile:
             self.compile_clock = CompileClock(self.args.device)

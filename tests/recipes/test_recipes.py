@@ -439,23 +439,6 @@ def test_flags_override_the_defaults(capsys):
     assert "--baseline and --compare_to" in usage_error(capsys, argv)
 
 
-@pytest.mark.parametrize(
-    ("flags", "mode"),
-    [
-        ([], None),
-        (["--torch_compile", "true"], "reduce-overhead"),
-        (["--torch_compile", "true", "--torch_compile_mode", "default"], "default"),
-        (["--torch_compile", "true", "--gradient_accumulation_steps", "2"], None),
-        (["--torch_compile", "true", "--elastic_batch", "true"], None),
-    ],
-)
-def test_compiling_uses_cuda_graphs_where_a_step_has_one_micro_batch(flags, mode):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the elastic batch without a GPU
-        args = recipe_config.parse_args(["--recipe", "cifar10_resnet18", *flags])[2]
-    assert args.torch_compile_mode == mode and args.torch_compile == bool(flags)
-
-
 @pytest.mark.parametrize("recipe", sorted(CLASSES))
 def test_quick_form_is_sized_for_a_cpu_and_flags_still_win(recipe):
     config, recipe_args, args = recipe_config.parse_args(["--quick"], recipe=recipe)
