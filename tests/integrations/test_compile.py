@@ -181,19 +181,21 @@ class RecordingTrainer(TriAccelTrainer):
         return loss
 
 
-def compiled_step_gaps(tmp_path, mode: str, use_cpu: bool) -> list[tuple[int, str, float, float]]:
-    """Trains ``tiny_timm`` for 6 steps compiled in ``mode`` (refreshing every second step,
-    eagerly), then recomputes each step's gradients eagerly from the parameters and batch
-    that step started from. Returns, per step and parameter, the gap between the two
-    gradients relative to that parameter's eager gradient and to the whole gradient."""
+def compiled_step_gaps(
+    tmp_path, mode: str, use_cpu: bool, **arguments
+) -> list[tuple[int, str, float, float]]:
+    """Trains ``tiny_timm`` for 6 steps compiled in ``mode`` (AdaFisherW refreshing every
+    second step, eagerly, unless ``arguments`` for the Trainer say otherwise), then
+    recomputes each step's gradients eagerly from the parameters and batch that step
+    started from. Returns, per step and parameter, the gap between the two gradients
+    relative to that parameter's eager gradient and to the whole gradient."""
     torch._dynamo.reset()
-    args = make_args(tmp_path, max_steps=6, use_cpu=use_cpu, torch_compile_mode=mode)
+    args = make_args(tmp_path, max_steps=6, use_cpu=use_cpu, torch_compile_mode=mode, **arguments)
     model = tiny_timm()
     trainer = RecordingTrainer(model=model, args=args, train_dataset=ImageSet())
     reference = copy.deepcopy(model)  # in the layout the trainer gave the model
     trainer.train()
     assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
-    assert trainer.optimizer.optimizer.fisher_steps == 6  # three refreshes, run eagerly
     reference.to(args.device).train()
     gaps = []
     for step, (start, batch, grads) in enumerate(trainer.records, 1):
@@ -242,6 +244,7 @@ def test_compiled_steps_compute_eager_gradients(tmp_path, fresh_dynamo, monkeypa
     """
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # matmuls: off by default
     gaps = compiled_step_gaps(tmp_path, mode, use_cpu=False)
+    assert {s for s, *_ in gaps} == set(range(1, 7))  # three refreshes, three compiled steps
     wrong = [g for g in gaps if g[2] > 1e-3 and g[3] > 1e-4]
     assert not wrong, [
         f"step {s} {n}: {r:.2g} of its gradient, {w:.2g} of all" for s, n, r, w in wrong
