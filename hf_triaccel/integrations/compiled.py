@@ -143,9 +143,9 @@ def check_cuda_graphs(args: Any) -> None:
 def warn_compiled_gradients(args: Any, adafisher: bool) -> None:
     """Warns when AdaFisher trains compiled on CUDA: there, the compiled steps were
     measured to leave other gradients than the eager model computes from the same
-    parameters and batch (a small timm ResNet on an H200, torch 2.11: about 0.4 of the
-    eager gradient's norm, cosine 0.8, with and without CUDA graphs, in either layout;
-    the same run on the CPU agrees to rounding). The cause is not known yet.
+    parameters and batch, with and without CUDA graphs, in either layout, while on the
+    CPU they agree to rounding (BENCHMARKS.md, "The compiled steps' gradients on the GPU
+    are not eager's"). The cause is not known yet.
 
     Example:
         >>> from transformers import TrainingArguments
