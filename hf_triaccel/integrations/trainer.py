@@ -114,9 +114,10 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin
         )
         if setting(self.args, "triaccel_precision"):
             self.add_callback(PrecisionReport(self))
-        if uses_adafisher(self.args):
+        adafisher = uses_adafisher(self.args)
+        if adafisher:
             check_distributed_support(self.accelerator.distributed_type)
-        check_compile_settings(self.args, uses_adafisher(self.args))
+        check_compile_settings(self.args, adafisher)
         self.compile_clock: CompileClock | None = None
         if self.args.torch_compile:
             self.compile_clock = CompileClock(self.args.device)

@@ -100,26 +100,24 @@ class LossRoutes:
 
     def __init__(self, unwrap: Any) -> None:
         self.unwrap = unwrap
-        self._signatures: dict[int, tuple[weakref.ref, tuple[set[str], bool]]] = {}
-        self._stock: dict[tuple[int, tuple[str, ...]], bool] = {}
+        # per model: its forward's signature, and by the batch's keys whether the
+        # Trainer's own compute_loss takes the batch
+        self._routes: weakref.WeakKeyDictionary[
+            nn.Module, tuple[tuple[set[str], bool], dict[tuple[str, ...], bool]]
+        ] = weakref.WeakKeyDictionary()
 
     def lookup(self, model: nn.Module, keys: Iterable[str]) -> tuple[bool, tuple[set[str], bool]]:
         """``(whether the Trainer's own compute_loss takes the batch, the signature of
         the model's own forward)`` for a batch with ``keys`` given to ``model``."""
-        entry = self._signatures.get(id(model))
-        if entry is None or entry[0]() is not model:
-            # a new model, or a new one where a freed model's id was: forget the dead
-            dead = {i for i, (ref, _) in self._signatures.items() if ref() is None}
-            self._signatures = {i: e for i, e in self._signatures.items() if i not in dead}
-            dead.add(id(model))
-            self._stock = {k: v for k, v in self._stock.items() if k[0] not in dead}
-            entry = (weakref.ref(model), forward_parameters(self.unwrap(model)))
-            self._signatures[id(model)] = entry
-        key = (id(model), tuple(keys))
-        stock = self._stock.get(key)
-        if stock is None:
-            stock = self._stock[key] = takes_whole_batch(entry[1], key[1])
-        return stock, entry[1]
+        entry = self._routes.get(model)
+        if entry is None:
+            entry = self._routes[model] = (forward_parameters(self.unwrap(model)), {})
+        signature, stock = entry
+        names = tuple(keys)
+        takes = stock.get(names)
+        if takes is None:
+            takes = stock[names] = takes_whole_batch(signature, names)
+        return takes, signature
 
 
 def _loss_of(outputs: Any) -> torch.Tensor | None:
