@@ -120,6 +120,24 @@ def test_reference_matches_float64_oracle(cls, ema, normalise, factor_init):
     assert max_rel_diff(model, oracle_model) < rounding_bound(torch.float32, len(data), 1e-3)
 
 
+def factor_slack(shape) -> float:
+    """How far two float32 summation orders may put a factor entry apart, as a fraction of
+    the factor's largest entry, for images of ``shape`` (B, C, H, W) through a padded 3x3
+    convolution first.
+
+    A statistic sums n = B*H*W rows; two orders of summation differ by a random walk of
+    about sqrt(n) unit roundoffs (4 sigma taken), relative to the sum. Min-max
+    normalisation then divides by the statistic's spread: for standard-normal images the
+    corner taps see (H-1)/H of the rows each way, so the spread is 1 - ((H-1)/H)^2 of the
+    statistic and a difference grows by its inverse (deeper layers' statistics spread
+    wider). The normalised statistic lies in [0, 1], which the factor's fold scales alike.
+    """
+    batch, _, height, width = shape
+    unit_roundoff = torch.finfo(torch.float32).eps / 2
+    spread = 1 - ((height - 1) / height) ** 2
+    return 2 * 4 * (batch * height * width) ** 0.5 * unit_roundoff / spread
+
+
 def assert_lockstep_300_steps(cls, impl: str, device: torch.device, shape, rtol: float) -> None:
     """``impl`` against the reference loop over 300 steps (refreshes at 0, 100, 200).
 
@@ -158,9 +176,16 @@ def assert_lockstep_300_steps(cls, impl: str, device: torch.device, shape, rtol:
             atol=rtol * float(momentum.abs().max()),
         )
         assert int(fast.state[p_fast]["step"]) == int(ref.state[p_ref]["step"]) == 300
+    slack = factor_slack(shape)
     for name, layer in ref.collector.layers.items():
-        torch.testing.assert_close(fast.collector.layers[name].a, layer.a, rtol=rtol, atol=0)
-        torch.testing.assert_close(fast.collector.layers[name].g, layer.g, rtol=rtol, atol=0)
+        for factor in ("a", "g"):
+            expected = getattr(layer, factor)
+            torch.testing.assert_close(
+                getattr(fast.collector.layers[name], factor),
+                expected,
+                rtol=rtol,
+                atol=slack * float(expected.abs().max()),
+            )
 
 
 @pytest.mark.parametrize("cls", [AdaFisher, AdaFisherW])
