@@ -14,9 +14,6 @@ step bound by the host's launches becomes bound by the device. A graph's outputs
 its memory until the next replay, which rules out several micro-batches per optimizer
 step (:func:`check_cuda_graphs`).
 
-On CUDA, the compiled steps of AdaFisher training were measured to leave other gradients
-than eager training (:func:`warn_compiled_gradients`); the Trainer warns about it.
-
 :class:`CompileClock` reports the compilation's cost apart from training: the wall time
 of the first compiled step less that of the next.
 """
@@ -24,7 +21,6 @@ of the first compiled step less that of the next.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -138,40 +134,6 @@ def check_cuda_graphs(args: Any) -> None:
             "micro-batch per optimizer step, or torch_compile_mode=None (compiled without "
             "CUDA graphs)"
         )
-
-
-def warn_compiled_gradients(args: Any, adafisher: bool) -> None:
-    """Warns when AdaFisher trains compiled on CUDA: there, the compiled steps were
-    measured to leave other gradients than the eager model computes from the same
-    parameters and batch, with and without CUDA graphs, in either layout, while on the
-    CPU they agree to rounding (BENCHMARKS.md, "The compiled steps' gradients on the GPU
-    are not eager's"). The cause is not known yet.
-
-    Example:
-        >>> from transformers import TrainingArguments
-        >>> warn_compiled_gradients(TrainingArguments("out", use_cpu=True), adafisher=True)
-    """
-    if args.torch_compile and adafisher and args.device.type == "cuda":
-        warnings.warn(
-            "torch_compile with AdaFisher on CUDA: the compiled steps' gradients were "
-            "measured to differ from eager training's (README, 'torch.compile'); train "
-            "without torch_compile where the result matters",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-def check_compile_settings(args: Any, adafisher: bool) -> None:
-    """What a Trainer checks of its compile settings when it is built: CUDA graphs with
-    several micro-batches a step are refused (:func:`check_cuda_graphs`), AdaFisher
-    (``adafisher``) compiled on CUDA is warned about (:func:`warn_compiled_gradients`).
-
-    Example:
-        >>> from transformers import TrainingArguments
-        >>> check_compile_settings(TrainingArguments("out", use_cpu=True), adafisher=True)
-    """
-    check_cuda_graphs(args)
-    warn_compiled_gradients(args, adafisher)
 
 
 class CompileClock:

@@ -39,7 +39,7 @@ from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.integrations import trainer_compat
 from hf_triaccel.integrations.compiled import (
     CompileClock,
-    check_compile_settings,
+    check_cuda_graphs,
     eager_module,
     step_module,
 )
@@ -114,10 +114,9 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin
         )
         if setting(self.args, "triaccel_precision"):
             self.add_callback(PrecisionReport(self))
-        adafisher = uses_adafisher(self.args)
-        if adafisher:
+        if uses_adafisher(self.args):
             check_distributed_support(self.accelerator.distributed_type)
-        check_compile_settings(self.args, adafisher)
+        check_cuda_graphs(self.args)
         self.compile_clock: CompileClock | None = None
         if self.args.torch_compile:
             self.compile_clock = CompileClock(self.args.device)

@@ -19,11 +19,12 @@ class Logs(transformers.TrainerCallback):
 
 
 class ImageSet(Dataset):
-    """Random 16x16 images with fixed labels, in the Trainer's dict-of-tensors form."""
+    """Random ``size`` x ``size`` images with fixed labels, in the Trainer's dict-of-tensors
+    form."""
 
-    def __init__(self, n: int = 32, seed: int = 0) -> None:
+    def __init__(self, n: int = 32, seed: int = 0, size: int = 16) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 3, 16, 16, generator=gen)
+        self.x = torch.randn(n, 3, size, size, generator=gen)
         self.y = torch.randint(0, 10, (n,), generator=gen)
 
     def __len__(self) -> int:
