@@ -661,6 +661,22 @@ def test_fisher_ranges_smoke(bench, capsys):
     assert relative["g_used_max"]["min"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_compiled_gradients_smoke(bench, capsys):
+    compiled_gradients = bench("compiled_gradients")
+    rows = compiled_gradients.main(["--smoke"])
+    assert [r["case"] for r in rows] == [
+        "conv, avg pool, conv on 1x1",
+        "conv, relu, avg pool, conv on 1x1",
+        "timm test_resnet on 16x16",
+    ]
+    assert "| timm test_resnet on 16x16 |" in capsys.readouterr().out
+    # aot_eager on the CPU runs eager's kernels on eager's operands: any difference is a
+    # fault of the comparison itself (a second forward, another weight, another input)
+    for r in rows:
+        assert r["output_error"] == r["gradient_error"] == 0.0, r
+        assert r["gradient_norm_ratio"] == 1.0
+
+
 def test_profile_refresh_smoke(bench, tmp_path):
     from torch import nn
 
