@@ -129,8 +129,9 @@ def factor_slack(shape) -> float:
     about sqrt(n) unit roundoffs (4 sigma taken), relative to the sum. Min-max
     normalisation then divides by the statistic's spread: for standard-normal images the
     corner taps see (H-1)/H of the rows each way, so the spread is 1 - ((H-1)/H)^2 of the
-    statistic and a difference grows by its inverse (deeper layers' statistics spread
-    wider). The normalised statistic lies in [0, 1], which the factor's fold scales alike.
+    statistic and a difference grows by its inverse, twice over: the entry and the minimum
+    each carry one (deeper layers' statistics spread wider). The normalised statistic lies
+    in [0, 1], which the factor's fold scales alike.
     """
     batch, _, height, width = shape
     unit_roundoff = torch.finfo(torch.float32).eps / 2
