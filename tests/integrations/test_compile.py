@@ -198,15 +198,17 @@ def compiled_step_gaps(
             eager[dtype] = [p.grad.double() for p in reference.parameters()]
         exact = eager[torch.float64]
         norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in exact])).item()
-        errors = [
+        compiled_errors = [
             (got.double() - want).norm().item() for got, want in zip(grads, exact, strict=True)
         ]
-        near = [
+        eager_errors = [
             (g - want).norm().item() for g, want in zip(eager[torch.float32], exact, strict=True)
         ]
         names = [name for name, _ in single.named_parameters()]
-        worst = names[max(range(len(errors)), key=errors.__getitem__)]
-        gaps.append((step, math.hypot(*errors) / norm, math.hypot(*near) / norm, worst))
+        worst = names[max(range(len(names)), key=compiled_errors.__getitem__)]
+        gaps.append(
+            (step, math.hypot(*compiled_errors) / norm, math.hypot(*eager_errors) / norm, worst)
+        )
     return gaps
 
 
