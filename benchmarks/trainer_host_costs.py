@@ -40,21 +40,17 @@ def timer(device: torch.device, repeats: int) -> Callable[..., dict[str, float]]
     """``time(fn, calls, setup)``: microseconds per call of ``fn`` over ``repeats`` blocks
     of ``calls`` calls (``setup`` before each block, untimed), the best and the median."""
 
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def time_it(fn: Callable[[], Any], calls: int, setup: Callable[[], Any] | None = None):
         blocks = []
         for _ in range(repeats):
             if setup is not None:
                 setup()
-            synchronize()
+            harness.synchronize(device)
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
             blocks.append(1e6 * (time.perf_counter() - start) / calls)
-            synchronize()
+            harness.synchronize(device)
         blocks.sort()
         return {"best_us": blocks[0], "median_us": blocks[len(blocks) // 2]}
 

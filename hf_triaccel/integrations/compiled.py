@@ -119,21 +119,18 @@ def check_cuda_graphs(args: Any) -> None:
     mode = args.torch_compile_mode if args.torch_compile else None
     if mode not in CUDA_GRAPH_MODES:
         return
-    accumulation = args.gradient_accumulation_steps
-    conflict = (
-        f"gradient_accumulation_steps={accumulation}"
-        if accumulation > 1
-        else "the elastic batch (elastic_batch / auto_find_batch_size)"
-        if getattr(args, "elastic_batch", False) or args.auto_find_batch_size
-        else None
+    if args.gradient_accumulation_steps > 1:
+        conflict = f"gradient_accumulation_steps={args.gradient_accumulation_steps}"
+    elif getattr(args, "elastic_batch", False) or args.auto_find_batch_size:
+        conflict = "the elastic batch (elastic_batch / auto_find_batch_size)"
+    else:
+        return
+    raise ValueError(
+        f"torch_compile_mode={mode!r} (CUDA graphs) with {conflict}: a CUDA graph's "
+        "next replay overwrites the gradients of the micro-batch before it; use one "
+        "micro-batch per optimizer step, or torch_compile_mode=None (compiled without "
+        "CUDA graphs)"
     )
-    if conflict is not None:
-        raise ValueError(
-            f"torch_compile_mode={mode!r} (CUDA graphs) with {conflict}: a CUDA graph's "
-            "next replay overwrites the gradients of the micro-batch before it; use one "
-            "micro-batch per optimizer step, or torch_compile_mode=None (compiled without "
-            "CUDA graphs)"
-        )
 
 
 class CompileClock:
