@@ -21,6 +21,7 @@ reductions: one kernel per selector width computes every queued ``sums @ taps``.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -29,7 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_triaccel.kernels.stats import NUM_WARPS, TILE, ReductionLaunch, slab_sums, write_tail
+from hf_triaccel.kernels.stats import (
+    NUM_WARPS,
+    TILE,
+    ReductionLaunch,
+    compiled_kernel,
+    direct_launch_supported,
+    launch_compiled,
+    slab_sums,
+    write_tail,
+)
 
 # Sequences of reductions whose tables are kept: every flush of a refresh step is one (a
 # model of hundreds of layers whose gradients are launched a few at a time has hundreds),
@@ -185,32 +195,67 @@ def launch_gathers(
     ``taps`` a float32 (P, K) selector (both read through their strides), ``out`` a
     contiguous float32 (C, K) tensor that no entry reads."""
     device = entries[0][0].device
-    table, tiles = [], []
-    for task, (sums, taps, out) in enumerate(entries):
-        n_c, n_p = sums.shape
+    table = []
+    for sums, taps, out in entries:
         table += (sums.data_ptr(), taps.data_ptr(), out.data_ptr(), *sums.stride())
-        table += (*taps.stride(), n_c, n_p, taps.shape[1])
-        tiles += [(task, b) for b in range(-(-n_c // _GATHER_BLOCK_C))]
+        table += (*taps.stride(), *sums.shape, taps.shape[1])
     key = ("gather", device, tuple(table))
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.popitem(last=False)
+        tiles = [
+            (task, b)
+            for task, (sums, _, _) in enumerate(entries)
+            for b in range(-(-sums.shape[0] // _GATHER_BLOCK_C))
+        ]
         # the addresses are the key: the tables hold nothing that changes
-        plan = _PLANS[key] = (
-            _to_device(table, torch.int64, device),
-            _to_device(tiles, torch.int32, device),
+        table_t = _to_device(table, torch.int64, device)
+        plan = _PLANS[key] = _Launch(
+            _grouped_gather_kernel,
+            (len(tiles),),
+            dict(
+                table_ptr=table_t,
+                tiles_ptr=_to_device(tiles, torch.int32, device),
+                BLOCK_C=_GATHER_BLOCK_C,
+                BLOCK_P=_GATHER_BLOCK_P,
+                BLOCK_K=block_k,
+            ),
+            num_warps=4,
         )
-    _grouped_gather_kernel[(len(tiles),)](
-        plan[0],
-        plan[1],
-        BLOCK_C=_GATHER_BLOCK_C,
-        BLOCK_P=_GATHER_BLOCK_P,
-        BLOCK_K=block_k,
-        num_warps=4,
-    )
+    plan()
 
 
+class _Launch:
+    """One kernel's launch with fixed arguments, the compiled kernel launched directly
+    after the first time (:func:`~hf_triaccel.kernels.stats.launch_compiled`), so that a
+    grouped launch costs one launch's host time, not Triton's binding of its arguments.
+
+    ``args`` are every argument of the kernel by name, constexprs included; a call may
+    replace the tensors among them (their addresses keep the 16-byte alignment that every
+    PyTorch allocation has, which is what the compiled kernel was specialised on).
+    """
+
+    __slots__ = ("kernel", "grid", "args", "num_warps", "compiled")
+
+    def __init__(self, kernel, grid: tuple[int, ...], args: dict, num_warps: int) -> None:
+        self.kernel = kernel
+        self.grid = grid
+        self.args = args
+        self.num_warps = num_warps
+        self.compiled = None
+
+    def __call__(self, **changed: torch.Tensor) -> None:
+        args = {**self.args, **changed} if changed else self.args
+        if self.compiled is not None:
+            launch_compiled(self.compiled, self.grid, [args[n] for n in self.kernel.arg_names])
+            return
+        handle = self.kernel[self.grid](**args, num_warps=self.num_warps)
+        if direct_launch_supported(next(iter(args.values())).device):
+            self.compiled = compiled_kernel(handle)
+
+
+@functools.lru_cache(maxsize=64)
 def _bits(value: float) -> int:
     """The float64 bits of ``value`` as an int64 (how the tables carry floats)."""
     return struct.unpack("<q", struct.pack("<d", value))[0]
@@ -226,11 +271,11 @@ def group_key(launch: ReductionLaunch, x: torch.Tensor) -> tuple | None:
 
 
 class _GroupPlan:
-    """The device tables of one sequence of reductions of one group key."""
+    """The device tables of one sequence of reductions of one group key, and its launch."""
 
-    __slots__ = ("launches", "static", "tiles", "tickets", "part_len", "last", "dynamic")
+    __slots__ = ("launches", "launch", "part_len", "last", "dynamic")
 
-    def __init__(self, launches: Sequence[ReductionLaunch], device: torch.device) -> None:
+    def __init__(self, key: tuple, launches: Sequence[ReductionLaunch], device: torch.device):
         # kept alive, so that the ids of the plan's key stay theirs
         self.launches = tuple(launches)
         static, tiles = [], []
@@ -248,12 +293,26 @@ class _GroupPlan:
             if splits > 1:
                 part += splits * n_cols
                 ticket += col_blocks
-        self.static = _to_device(static, torch.int64, device)
-        self.tiles = _to_device(tiles, torch.int32, device)
-        self.tickets = torch.zeros(max(ticket, 1), dtype=torch.int32, device=device)
+        dtype, block_n, block_d = key
         self.part_len = max(part, 1)
         self.last: list[int] | None = None
         self.dynamic: torch.Tensor | None = None
+        self.launch = _Launch(
+            _grouped_rows_kernel,
+            (len(tiles),),
+            dict(
+                dynamic_ptr=None,
+                static_ptr=_to_device(static, torch.int64, device),
+                tiles_ptr=_to_device(tiles, torch.int32, device),
+                part_ptr=None,
+                ticket_ptr=torch.zeros(max(ticket, 1), dtype=torch.int32, device=device),
+                DTYPE=_DTYPES[dtype],
+                BLOCK_N=block_n,
+                BLOCK_D=block_d,
+                BLOCK_S=max(1, TILE // block_d),
+            ),
+            num_warps=NUM_WARPS,
+        )
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -263,8 +322,8 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return host.to(device, non_blocking=True)
 
 
-# row-sum plans, and the gathers' (table, tiles), keyed by their table
-_PLANS: OrderedDict[tuple, _GroupPlan | tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+# row-sum plans, and the gathers' launches, keyed by their table
+_PLANS: OrderedDict[tuple, _GroupPlan | _Launch] = OrderedDict()
 
 
 def launch_grouped(
@@ -278,14 +337,13 @@ def launch_grouped(
     must be laid out as its launch expects. Launches of one sequence share tickets, so
     they must run in order (one stream), as a :class:`ReductionLaunch`'s do.
     """
-    dtype, block_n, block_d = key
     device = entries[0][1].device
-    plan_key = (key, device, tuple(id(e[0]) for e in entries))
+    plan_key = (key, device, tuple([id(e[0]) for e in entries]))
     plan = _PLANS.get(plan_key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.popitem(last=False)
-        plan = _PLANS[plan_key] = _GroupPlan([e[0] for e in entries], device)
+        plan = _PLANS[plan_key] = _GroupPlan(key, [e[0] for e in entries], device)
     dynamic = []
     for _, x, out, scale, accumulate in entries:
         dynamic += (x.data_ptr(), out.data_ptr(), int(accumulate), _bits(float(scale)))
@@ -293,15 +351,4 @@ def launch_grouped(
         plan.dynamic = _to_device(dynamic, torch.int64, device)
         plan.last = dynamic
     part = torch.empty(plan.part_len, dtype=torch.float32, device=device)
-    _grouped_rows_kernel[(plan.tiles.shape[0],)](
-        plan.dynamic,
-        plan.static,
-        plan.tiles,
-        part,
-        plan.tickets,
-        DTYPE=_DTYPES[dtype],
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        BLOCK_S=max(1, TILE // block_d),
-        num_warps=NUM_WARPS,
-    )
+    plan.launch(dynamic_ptr=plan.dynamic, part_ptr=part)

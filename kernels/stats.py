@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 import triton
@@ -315,6 +316,40 @@ def _direct_launch() -> tuple | None:
     return (knobs, driver) if version >= (3, 3) else None
 
 
+def compiled_kernel(handle: Any) -> Any:
+    """The compiled kernel a ``kernel[grid](...)`` launch returned (some Triton versions
+    return a future of it)."""
+    return handle.result() if hasattr(handle, "result") else handle
+
+
+def launch_compiled(compiled: Any, grid: tuple[int, ...], args: list) -> None:
+    """Launches ``compiled`` on the current stream as ``JITFunction.run`` would, without
+    binding and specialising the arguments again: ``args`` are every argument of the
+    kernel in order, constexprs included, and must match what ``compiled`` was
+    specialised on (the same constexprs, pointers of the same 16-byte alignment). Only
+    where :func:`direct_launch_supported`."""
+    knobs, driver = _direct_launch()
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    dims = (*grid, 1, 1)
+    compiled.run(
+        dims[0],
+        dims[1],
+        dims[2],
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        compiled.launch_metadata(grid, stream, *args),
+        knobs.runtime.launch_enter_hook,
+        knobs.runtime.launch_exit_hook,
+        *args,
+    )
+
+
+def direct_launch_supported(device: torch.device) -> bool:
+    """Whether compiled kernels on ``device`` can be launched with :func:`launch_compiled`."""
+    return device.type == "cuda" and _direct_launch() is not None
+
+
 class ReductionLaunch:
     """One reduction worked out for one input geometry: its kernel, grid and size
     arguments, and, when the work is split over programs, one ticket per output block
@@ -337,7 +372,9 @@ class ReductionLaunch:
     then ``value`` last (where a normalisation layer's sums keep their size entry).
     """
 
-    __slots__ = ("kernel", "grid", "kwargs", "part", "tickets", "compiled", "template", "at")
+    __slots__ = (
+        "kernel", "grid", "kwargs", "rows", "part", "tickets", "compiled", "template", "at"
+    )  # fmt: skip
 
     def __init__(self, kernel, grid, sizes, meta, splits, n, device, tail):
         self.kernel = kernel
@@ -353,6 +390,13 @@ class ReductionLaunch:
             BLOCK_S=min(_pow2(splits), max(1, TILE // block)),
             **meta,
         )
+        # a row sum's (rows, columns, row stride, square, tail), which the grouped launches
+        # read; None for a channel sum
+        self.rows: tuple[int, int, int, bool, tuple[int, float] | None] | None = None
+        if kernel is _sum_rows_kernel:
+            kw = self.kwargs
+            tail = (kw["tail_len"], kw["tail_value"]) if kw["TAIL"] else None
+            self.rows = kw["n_rows"], kw["n_cols"], kw["stride_row"], kw["SQUARE"], tail
         # a split launch's partials are allocated per launch, from their shape kept here;
         # unsplit, the kernel never touches partials or tickets: one entry each stands in
         self.part: torch.Tensor | tuple[int] = torch.empty(1, device=device)
@@ -361,20 +405,10 @@ class ReductionLaunch:
         self.tickets = torch.zeros(grid[0] if splits > 1 else 1, dtype=torch.int32, device=device)
         self.compiled: dict[tuple, object] = {}
         self.template: list | None = None  # every argument in order, for direct launches
-        if _direct_launch() is not None and device.type == "cuda":
+        if direct_launch_supported(device):
             values = {"ticket_ptr": self.tickets, **self.kwargs}
             self.template = [values.get(name) for name in kernel.arg_names]
             self.at = (kernel.arg_names.index("scale"), kernel.arg_names.index("ACCUMULATE"))
-
-    @property
-    def rows(self) -> tuple[int, int, int, bool, tuple[int, float] | None] | None:
-        """A row sum's (rows, columns, row stride, square, tail), which the grouped
-        launches read; ``None`` for a channel sum."""
-        if self.kernel is not _sum_rows_kernel:
-            return None
-        kw = self.kwargs
-        tail = (kw["tail_len"], kw["tail_value"]) if kw["TAIL"] else None
-        return kw["n_rows"], kw["n_cols"], kw["stride_row"], kw["SQUARE"], tail
 
     def __call__(
         self, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0, accumulate: bool = False
@@ -399,29 +433,15 @@ class ReductionLaunch:
             **self.kwargs,
         )
         if self.template is not None:
-            self.compiled[key] = compiled.result() if hasattr(compiled, "result") else compiled
+            self.compiled[key] = compiled_kernel(compiled)
 
     def _direct(self, compiled, x, out, part, scale, accumulate) -> None:
-        """Launches ``compiled`` as ``JITFunction.run`` would, without binding again."""
-        knobs, driver = _direct_launch()
+        """Launches ``compiled`` with this call's arguments (:func:`launch_compiled`)."""
         args = self.template.copy()
         at_scale, at_accumulate = self.at
         args[0], args[1], args[2] = x, out, part
         args[at_scale], args[at_accumulate] = scale, accumulate
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
-        grid = self.grid
-        compiled.run(
-            grid[0],
-            grid[1],
-            1,
-            stream,
-            compiled.function,
-            compiled.packed_metadata,
-            compiled.launch_metadata(grid, stream, *args),
-            knobs.runtime.launch_enter_hook,
-            knobs.runtime.launch_exit_hook,
-            *args,
-        )
+        launch_compiled(compiled, self.grid, args)
 
 
 _BLOCK_KEY = {_sum_rows_kernel: "BLOCK_D", _channel_sum_kernel: "BLOCK_C"}

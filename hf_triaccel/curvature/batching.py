@@ -183,8 +183,9 @@ class RefreshBatches:
     def backward_started(self) -> None:
         """Called by each gradient hook: flushes the activation sums and, once per
         backward, asks the autograd engine to flush the gradient sums at its end."""
-        if len(self.activations):
-            self.activations.flush()
+        activations = self.activations
+        if activations.entries or activations.gathers or activations.after:
+            activations.flush()
         task = torch._C._current_graph_task_id()
         if task != self.task:  # a new backward (one that failed never ended)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)

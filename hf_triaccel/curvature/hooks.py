@@ -60,19 +60,20 @@ def in_checkpoint_recompute() -> bool:
         return False
 
 
-def _kept(layer: LayerFactors, module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether the forward of ``module`` keeps ``x`` itself for the backward: its rule
-    says so, autocast does not cast it first, and no saved-tensor hooks (activation
-    checkpointing, offloading) take what the forward saves elsewhere."""
+def _kept(saved: bool, x: torch.Tensor) -> bool:
+    """Whether a forward whose rule keeps its input for the backward (``saved``:
+    :meth:`~hf_triaccel.curvature.rules.FisherRule.input_saved`) keeps ``x`` itself:
+    autocast does not cast it first, and no saved-tensor hooks (activation checkpointing,
+    offloading) take what the forward saves elsewhere."""
+    if not saved:
+        return False
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
         return False
     try:
-        if _current_saved_tensors_hooks() is not None:
-            return False
+        return _current_saved_tensors_hooks() is None
     except (AttributeError, TypeError):
         return False  # a torch without this query: take the statistic at once
-    return layer.rule.input_saved(module)
 
 
 class InertHook:
@@ -90,13 +91,20 @@ class InertHook:
 
 
 class _StatisticsHook:
-    """What both hooks share: the layer they serve, its collector, how they copy."""
+    """What both hooks share: the layer they serve, its collector, how they copy.
 
-    __slots__ = ("collector", "layer")
+    Whether the layer's forward keeps its input for the backward
+    (:meth:`~hf_triaccel.curvature.rules.FisherRule.input_saved`) is asked once, when the
+    hooks are made (the collector makes them again at each refresh that follows steps
+    without one).
+    """
+
+    __slots__ = ("collector", "layer", "saved")
 
     def __init__(self, collector: FisherCollector, layer: LayerFactors) -> None:
         self.collector = collector
         self.layer = layer
+        self.saved = layer.rule.input_saved(layer.module)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> InertHook:
         return InertHook()
@@ -111,19 +119,29 @@ class ActivationHook(_StatisticsHook):
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        pending = self.take(module, args, kwargs)
+        if pending is not None:
+            self.layer.pending_a.append(pending)
+
+    def take(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Takes the activation sums of this forward's input; returns their pending
+        record, or ``None`` when this forward takes no statistic."""
         layer = self.layer
         # a shallow copy of the model shares the hook dicts: ignore the copy's calls
         if module is not layer.module or not torch.is_grad_enabled() or in_checkpoint_recompute():
-            return
+            return None
         x = args[0] if args else next(iter(kwargs.values()))
         collector = self.collector
-        if layer.follow(getattr(module, layer.anchor).device):
+        anchor = module._parameters.get(layer.anchor)
+        if anchor is None:  # a parametrised or replaced parameter
+            anchor = getattr(module, layer.anchor)
+        if layer.follow(anchor.device):
             collector.generation += 1  # whoever cached the factors' addresses
         # an input the forward keeps anyway can wait for the backward, with the others
-        batch = collector.batches.activations if _kept(layer, module, x) else None
+        batch = collector.batches.activations if _kept(self.saved, x) else None
         previous = activate(batch)
         try:
-            layer.take_activation(module, x.detach(), collector.impl)
+            return layer.take_activation(module, x.detach(), collector.impl)
         finally:
             activate(previous)
 
@@ -142,11 +160,14 @@ class OutputHook(_StatisticsHook):
         layer = self.layer
         if module is not layer.output_module or not layer.pending_a:
             return
-        pending = layer.pending_a.pop()
+        self.confirm_on_gradient(layer.pending_a.pop(), output)
+
+    def confirm_on_gradient(self, pending: Any, output: Any) -> None:
+        """Registers on ``output`` the gradient hook that confirms ``pending`` and takes the
+        gradient sums (nothing for an output without gradient)."""
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
-        impl = self.collector.impl
-        batches = self.collector.batches
+        layer, impl, batches = self.layer, self.collector.impl, self.collector.batches
 
         def grad_hook(grad: torch.Tensor) -> None:
             batches.backward_started()
@@ -178,5 +199,6 @@ class LayerHook(ActivationHook, OutputHook):
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any):
-        ActivationHook.__call__(self, module, args, kwargs)
-        OutputHook.__call__(self, module, args, output)
+        pending = self.take(module, args, kwargs)
+        if pending is not None:
+            self.confirm_on_gradient(pending, output)

@@ -54,7 +54,7 @@ class LayerFactors:
     ``g_count`` count the micro-batches, ``a_n`` / ``g_n`` the samples (or rows) their
     sums ran over. ``output_module`` is where the output gradient is taken (the module
     itself, or a submodule before a fused activation); ``pending_a`` holds the records of
-    forwards whose output hook has not run yet.
+    forwards whose output hook, when that is another module's, has not run yet.
 
     Example:
         >>> from hf_triaccel.curvature.collector import FisherCollector
@@ -155,14 +155,17 @@ class LayerFactors:
         self.cache.clear()  # cached views and scratch buffers belong to the old storage
         return True
 
-    def take_activation(self, module: nn.Module, x: torch.Tensor, impl: str | None) -> None:
+    def take_activation(
+        self, module: nn.Module, x: torch.Tensor, impl: str | None
+    ) -> PendingStatistic:
         """Writes the activation sums of input ``x`` into a free slot, pending until the
-        gradient of this forward's output confirms them."""
+        gradient of this forward's output confirms them (:meth:`confirm`). The layer
+        keeps the returned record weakly: whoever waits for that gradient holds it."""
         slot = self.free_slot()
         count = self.rule.a_write(module, x, self.slots[slot], impl, self.cache)
         pending = PendingStatistic(slot, count)
         self.owners[slot] = weakref.ref(pending)
-        self.pending_a.append(pending)
+        return pending
 
     def free_slot(self) -> int:
         """A slot that no confirmed statistic and no live forward holds."""
