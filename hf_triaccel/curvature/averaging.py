@@ -24,15 +24,30 @@ import torch.distributed as dist
 from hf_triaccel.curvature.finish import FinishPlan
 from hf_triaccel.curvature.fold import FactorFold
 from hf_triaccel.curvature.layer import LayerFactors
+from hf_triaccel.curvature.replay import Replay
 
 
 class DevicePlan(NamedTuple):
     """One device's part of a refresh: its ready layers, the finish of their statistics
-    and the fold of those into the factors, worked out once for a set of ready layers."""
+    and the fold of those into the factors, worked out once for a set of ready layers;
+    ``replay`` runs the two together (:meth:`finish_and_fold`)."""
 
     layers: list[LayerFactors]
     finish: FinishPlan
     fold: FactorFold
+    replay: Replay
+
+    def finish_and_fold(self, mode: str, gamma: float, normalise: str) -> None:
+        """Finishes the layers' merged sums of one process and folds them, replayed as
+        a CUDA graph where the same counts and fold repeat
+        (:mod:`~hf_triaccel.curvature.replay`)."""
+        counts = tuple(c for ly in self.layers for c in (ly.a_n, ly.g_n))
+
+        def run() -> None:
+            self.finish(counts)
+            self.fold(mode, gamma, normalise)
+
+        self.replay((counts, mode, gamma, normalise), run)
 
 
 def device_plan(layers: list[LayerFactors], impl: str | None) -> DevicePlan:
@@ -44,7 +59,8 @@ def device_plan(layers: list[LayerFactors], impl: str | None) -> DevicePlan:
     emas = [t for ly in layers for t in (ly.a_ema, ly.g_ema)]
     news = [t for ly in layers for t in (ly.a_stat, ly.g_stat)]
     useds = [t for ly in layers for t in (ly.a, ly.g)]
-    return DevicePlan(layers, FinishPlan(items), FactorFold(emas, news, useds, impl=impl))
+    fold = FactorFold(emas, news, useds, impl=impl)
+    return DevicePlan(layers, FinishPlan(items), fold, Replay(emas[0].device))
 
 
 def finish_step(ready: list[LayerFactors], plans: list[DevicePlan]) -> float:
