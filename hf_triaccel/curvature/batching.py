@@ -69,9 +69,9 @@ class StatisticsBatch:
         """Queues ``launch(x, out, scale, accumulate)``, or launches it now when no grouped
         kernel takes it or ``x`` alone is over the budget. A second reduction into the same
         output flushes the first."""
-        key = _grouped().group_key(launch, x)
-        size = x.numel() * x.element_size()
-        if key is None or (size > self.budget and not self.entries):
+        size = x.nbytes
+        key = None if size > self.budget and not self.entries else _grouped().group_key(launch, x)
+        if key is None:
             launch(x, out, scale, accumulate)
             return
         ptr = out.data_ptr()
