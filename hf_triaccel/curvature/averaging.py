@@ -1,5 +1,5 @@
 """One optimizer step's sums, gathered over its micro-batches and the data-parallel
-processes.
+processes, finished and folded (:func:`fold_step`).
 
 Each layer's activation sums wait in slots, one per confirmed micro-batch; they are
 merged into the first slot, while the gradient sums already add up in ``g_stat``. When
@@ -63,21 +63,41 @@ def device_plan(layers: list[LayerFactors], impl: str | None) -> DevicePlan:
     return DevicePlan(layers, FinishPlan(items), fold, Replay(emas[0].device))
 
 
-def finish_step(ready: list[LayerFactors], plans: list[DevicePlan]) -> float:
+def fold_step(
+    ready: list[LayerFactors],
+    plans: list[DevicePlan],
+    mode: str,
+    gamma: float,
+    normalise: str,
+    loss_scale: torch.Tensor | None = None,
+) -> None:
     """Turns the ``ready`` layers' sums into the step's statistics (``a_stat``, ``g_stat``):
-    merged over micro-batches, added over processes, finished. Returns what the gradient
-    statistics must still be divided by: ``world_size**2`` (1 for a single process).
+    merged over micro-batches, added over processes, finished, the gradient statistics
+    divided by ``world_size**2`` and by the square of a GradScaler's ``loss_scale``; then
+    folds them into the factors (EMA rule ``mode``, decay ``gamma``, ``normalise``). In one
+    process without a loss scale nothing comes between the finish and the fold, and each
+    device runs them together (:meth:`DevicePlan.finish_and_fold`).
 
     Every process must call it with the same layers, in the same order.
     """
     merge_slots(ready)
     world = world_size()
+    if world == 1 and loss_scale is None:
+        for plan in plans:
+            plan.finish_and_fold(mode, gamma, normalise)
+        return
     for plan in plans:
         if world > 1:
             plan.finish(sum_over_processes(plan.layers))
         else:
             plan.finish([c for ly in plan.layers for c in (ly.a_n, ly.g_n)])
-    return float(world) ** 2
+    g_scale: torch.Tensor | float = float(world) ** 2
+    if loss_scale is not None:
+        g_scale = g_scale * loss_scale.double().square().float()
+    if not isinstance(g_scale, float) or g_scale != 1.0:
+        torch._foreach_div_([ly.g_stat for ly in ready], g_scale)
+    for plan in plans:
+        plan.fold(mode, gamma, normalise)
 
 
 def world_size() -> int:

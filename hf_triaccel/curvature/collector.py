@@ -34,13 +34,7 @@ import torch
 from torch import nn
 
 from hf_triaccel._types import DEFAULT_FACTOR_INIT, EMA_MODES, FACTOR_INITS, ParamFactors
-from hf_triaccel.curvature.averaging import (
-    DevicePlan,
-    device_plan,
-    finish_step,
-    merge_slots,
-    world_size,
-)
+from hf_triaccel.curvature.averaging import DevicePlan, device_plan, fold_step
 from hf_triaccel.curvature.batching import GRADIENT_BYTES_PER_PARAMETER, RefreshBatches
 from hf_triaccel.curvature.hooks import ActivationHook, LayerHook, OutputHook
 from hf_triaccel.curvature.layer import LayerFactors
@@ -311,21 +305,11 @@ class FisherCollector:
             ly.reset()
 
     def _fold_ready(self, ready: list[LayerFactors], gamma: float, normalise: str) -> None:
-        plans = self._plans(ready)
         scaler = self.grad_scaler
-        scaled = scaler is not None and scaler.is_enabled() and scaler._scale is not None
-        if not scaled and world_size() == 1:  # nothing between the finish and the fold
-            merge_slots(ready)
-            for plan in plans:
-                plan.finish_and_fold(self.ema, gamma, normalise)
-            return
-        g_scale: torch.Tensor | float = finish_step(ready, plans)
-        if scaled:
-            g_scale = g_scale * scaler._scale.double().square().float()
-        if not isinstance(g_scale, float) or g_scale != 1.0:
-            torch._foreach_div_([ly.g_stat for ly in ready], g_scale)
-        for plan in plans:
-            plan.fold(self.ema, gamma, normalise)
+        scale = None
+        if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
+            scale = scaler._scale
+        fold_step(ready, self._plans(ready), self.ema, gamma, normalise, scale)
 
     def _plans(self, ready: list[LayerFactors]) -> list[DevicePlan]:
         """Per device, the ``ready`` layers, the finish of their statistics and their fold:
