@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from hf_triaccel.kernels.stats import (
+    KEPT_PARTIALS,
     NUM_WARPS,
     TILE,
     ReductionLaunch,
@@ -273,7 +274,7 @@ def group_key(launch: ReductionLaunch, x: torch.Tensor) -> tuple | None:
 class _GroupPlan:
     """The device tables of one sequence of reductions of one group key, and its launch."""
 
-    __slots__ = ("launches", "launch", "part_len", "last", "dynamic")
+    __slots__ = ("launches", "launch", "part_len", "part", "last", "dynamic")
 
     def __init__(self, key: tuple, launches: Sequence[ReductionLaunch], device: torch.device):
         # kept alive, so that the ids of the plan's key stay theirs
@@ -295,6 +296,10 @@ class _GroupPlan:
                 ticket += col_blocks
         dtype, block_n, block_d = key
         self.part_len = max(part, 1)
+        # the partial sums, kept when small (the launches of a sequence run in order)
+        self.part = None
+        if self.part_len <= KEPT_PARTIALS:
+            self.part = torch.empty(self.part_len, dtype=torch.float32, device=device)
         self.last: list[int] | None = None
         self.dynamic: torch.Tensor | None = None
         self.launch = _Launch(
@@ -350,5 +355,7 @@ def launch_grouped(
     if dynamic != plan.last:
         plan.dynamic = _to_device(dynamic, torch.int64, device)
         plan.last = dynamic
-    part = torch.empty(plan.part_len, dtype=torch.float32, device=device)
+    part = plan.part
+    if part is None:  # large: allocated per launch
+        part = torch.empty(plan.part_len, dtype=torch.float32, device=device)
     plan.launch(dynamic_ptr=plan.dynamic, part_ptr=part)

@@ -49,6 +49,8 @@ _MAX_BLOCK_D = 128
 _MAX_BLOCK_L = 512
 # Programs to aim for per streaming multiprocessor, enough loads in flight to saturate HBM.
 _PROGRAMS_PER_SM = 4
+# a split launch keeps partial sums up to this many floats (64 KiB) from launch to launch
+KEPT_PARTIALS = 16384
 # Under the CPU interpreter every program costs Python time; a handful still exercises
 # the split-and-finish path.
 _INTERPRETED_PROGRAMS = 8
@@ -358,9 +360,10 @@ class ReductionLaunch:
     Calling it with a tensor of that geometry (the one whose strides it was made from, or
     any tensor starting at the same element of a storage laid out alike) is one kernel
     launch and nothing else: no view or check, and no allocation but the partial sums of
-    a split launch, which go back to PyTorch's caching allocator as soon as it is queued
-    (kept, the partials of every layer's statistics would add up to tens of MB). Launches
-    of one object must run in order (one stream), as they share the tickets.
+    a split launch over :data:`KEPT_PARTIALS` floats, which go back to PyTorch's caching
+    allocator as soon as it is queued (kept, the partials of every layer's statistics
+    would add up to tens of MB). Launches of one object must run in order (one stream),
+    as they share the tickets and the partials kept.
 
     A statistic's launch costs Triton's argument binding and specialisation more host
     time than the kernel takes on the device, so after the first launch of each variant
@@ -397,11 +400,13 @@ class ReductionLaunch:
             kw = self.kwargs
             tail = (kw["tail_len"], kw["tail_value"]) if kw["TAIL"] else None
             self.rows = kw["n_rows"], kw["n_cols"], kw["stride_row"], kw["SQUARE"], tail
-        # a split launch's partials are allocated per launch, from their shape kept here;
+        # a split launch's partials: kept when small (launches of one object run in order,
+        # as for the tickets), else allocated per launch from their shape kept here;
         # unsplit, the kernel never touches partials or tickets: one entry each stands in
         self.part: torch.Tensor | tuple[int] = torch.empty(1, device=device)
         if splits > 1:
-            self.part = (splits * n,)
+            size = splits * n
+            self.part = torch.empty(size, device=device) if size <= KEPT_PARTIALS else (size,)
         self.tickets = torch.zeros(grid[0] if splits > 1 else 1, dtype=torch.int32, device=device)
         self.compiled: dict[tuple, object] = {}
         self.template: list | None = None  # every argument in order, for direct launches
