@@ -211,18 +211,18 @@ def launch_gathers(
             for b in range(-(-sums.shape[0] // _GATHER_BLOCK_C))
         ]
         # the addresses are the key: the tables hold nothing that changes
-        table_t = _to_device(table, torch.int64, device)
         plan = _PLANS[key] = _Launch(
             _grouped_gather_kernel,
             (len(tiles),),
             dict(
-                table_ptr=table_t,
+                table_ptr=_to_device(table, torch.int64, device),
                 tiles_ptr=_to_device(tiles, torch.int32, device),
                 BLOCK_C=_GATHER_BLOCK_C,
                 BLOCK_P=_GATHER_BLOCK_P,
                 BLOCK_K=block_k,
             ),
             num_warps=4,
+            device=device,
         )
     plan()
 
@@ -237,13 +237,16 @@ class _Launch:
     PyTorch allocation has, which is what the compiled kernel was specialised on).
     """
 
-    __slots__ = ("kernel", "grid", "args", "num_warps", "compiled")
+    __slots__ = ("kernel", "grid", "args", "num_warps", "direct", "compiled")
 
-    def __init__(self, kernel, grid: tuple[int, ...], args: dict, num_warps: int) -> None:
+    def __init__(
+        self, kernel, grid: tuple[int, ...], args: dict, num_warps: int, device: torch.device
+    ) -> None:
         self.kernel = kernel
         self.grid = grid
         self.args = args
         self.num_warps = num_warps
+        self.direct = direct_launch_supported(device)
         self.compiled = None
 
     def __call__(self, **changed: torch.Tensor) -> None:
@@ -252,7 +255,7 @@ class _Launch:
             launch_compiled(self.compiled, self.grid, [args[n] for n in self.kernel.arg_names])
             return
         handle = self.kernel[self.grid](**args, num_warps=self.num_warps)
-        if direct_launch_supported(next(iter(args.values())).device):
+        if self.direct:
             self.compiled = compiled_kernel(handle)
 
 
@@ -276,7 +279,9 @@ class _GroupPlan:
 
     __slots__ = ("launches", "launch", "part_len", "part", "last", "dynamic")
 
-    def __init__(self, key: tuple, launches: Sequence[ReductionLaunch], device: torch.device):
+    def __init__(
+        self, key: tuple, launches: Sequence[ReductionLaunch], device: torch.device
+    ) -> None:
         # kept alive, so that the ids of the plan's key stay theirs
         self.launches = tuple(launches)
         static, tiles = [], []
@@ -317,6 +322,7 @@ class _GroupPlan:
                 BLOCK_S=max(1, TILE // block_d),
             ),
             num_warps=NUM_WARPS,
+            device=device,
         )
 
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hf_triaccel.curvature.batching import activate
-from hf_triaccel.curvature.layer import LayerFactors
+from hf_triaccel.curvature.layer import LayerFactors, PendingStatistic
 
 if TYPE_CHECKING:
     from hf_triaccel.curvature.collector import FisherCollector
@@ -123,7 +123,9 @@ class ActivationHook(_StatisticsHook):
         if pending is not None:
             self.layer.pending_a.append(pending)
 
-    def take(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def take(
+        self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
+    ) -> PendingStatistic | None:
         """Takes the activation sums of this forward's input; returns their pending
         record, or ``None`` when this forward takes no statistic."""
         layer = self.layer
@@ -162,7 +164,7 @@ class OutputHook(_StatisticsHook):
             return
         self.confirm_on_gradient(layer.pending_a.pop(), output)
 
-    def confirm_on_gradient(self, pending: Any, output: Any) -> None:
+    def confirm_on_gradient(self, pending: PendingStatistic, output: Any) -> None:
         """Registers on ``output`` the gradient hook that confirms ``pending`` and takes the
         gradient sums (nothing for an output without gradient)."""
         if not isinstance(output, torch.Tensor) or not output.requires_grad:

@@ -119,7 +119,8 @@ class FisherRule:
         """Whether ``module``'s forward keeps its input, as given, for the backward (with
         autograd on, and unless autocast casts it): then its activation statistic may wait
         for the backward to start at no memory cost
-        (:mod:`~hf_triaccel.curvature.batching`). Default: ``False``, taken at once."""
+        (:mod:`~hf_triaccel.curvature.batching`). Asked when the collector registers its
+        hooks, not at every forward. Default: ``False``, taken at once."""
         return False
 
     def a_write(
