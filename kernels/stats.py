@@ -48,7 +48,7 @@ NUM_WARPS = 8
 _MAX_BLOCK_D = 128
 _MAX_BLOCK_L = 512
 # Programs to aim for per streaming multiprocessor, enough loads in flight to saturate HBM.
-_PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 4
 # a split launch keeps partial sums up to this many floats (64 KiB) from launch to launch
 KEPT_PARTIALS = 16384
 # Under the CPU interpreter every program costs Python time; a handful still exercises
@@ -279,14 +279,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _target_programs(device: torch.device) -> int:
+def _target_programs(device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """How many programs a reduction should launch to keep ``device`` busy."""
     if device.type != "cuda":
         return _INTERPRETED_PROGRAMS
-    return _PROGRAMS_PER_SM * _sm_count(device)
+    return programs_per_sm * _sm_count(device)
 
 
-def _split(n_units: int, n_blocks: int, device: torch.device) -> tuple[int, int]:
+def _split(
+    n_units: int, n_blocks: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM
+) -> tuple[int, int]:
     """Splits ``n_units`` of sequential work so ``n_blocks * splits`` nears the target.
 
     No split when the blocks alone give half the target: adding the partials would then
@@ -295,7 +297,7 @@ def _split(n_units: int, n_blocks: int, device: torch.device) -> tuple[int, int]
     Returns:
         (units per split, number of splits), every split non-empty.
     """
-    target = _target_programs(device)
+    target = _target_programs(device, programs_per_sm)
     if 2 * n_blocks >= target:
         return n_units, 1
     per_split = _cdiv(n_units, min(_cdiv(target, n_blocks), n_units))
@@ -453,17 +455,29 @@ _BLOCK_KEY = {_sum_rows_kernel: "BLOCK_D", _channel_sum_kernel: "BLOCK_C"}
 
 
 def rows_launch(
-    n: int, d: int, stride_row: int, device: torch.device, square: bool, tail=None
+    n: int,
+    d: int,
+    stride_row: int,
+    device: torch.device,
+    square: bool,
+    tail=None,
+    *,
+    tile: int = TILE,
+    num_warps: int = NUM_WARPS,
+    programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> ReductionLaunch:
     """Column sums of an (n, d) input with unit column stride and row stride
-    ``stride_row``; n, d >= 1."""
+    ``stride_row``; n, d >= 1. ``tile`` (elements a program loads per iteration),
+    ``num_warps`` and ``programs_per_sm`` (the programs a split launch aims for) are the
+    statistics' settings unless a tuning run (``benchmarks/bench_row_sums.py``) asks for
+    others."""
     block_d = min(_pow2(d), _MAX_BLOCK_D)
-    block_n = min(max(1, TILE // block_d), _pow2(n))
+    block_n = min(max(1, tile // block_d), _pow2(n))
     col_blocks = _cdiv(d, block_d)
-    blocks_per_split, splits = _split(_cdiv(n, block_n), col_blocks, device)
+    blocks_per_split, splits = _split(_cdiv(n, block_n), col_blocks, device, programs_per_sm)
     args = {"n_rows": n, "n_cols": d, "stride_row": stride_row}
     args["rows_per_split"] = blocks_per_split * block_n
-    meta = {"SQUARE": square, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": NUM_WARPS}
+    meta = {"SQUARE": square, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": num_warps}
     return ReductionLaunch(
         _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail
     )

@@ -735,3 +735,18 @@ def test_profile_trainer_smoke(bench, tmp_path):
     assert trainer["ranges"]["callbacks"][0] >= 2  # at least on_step_begin and on_step_end
     table = (tmp_path / "profile_trainer.md").read_text()
     assert "What the Trainer adds" in table and "| get_batch_samples |" in table
+
+
+def test_bench_row_sums_smoke(bench, tmp_path):
+    payload = _run(bench, "bench_row_sums", tmp_path)
+    results = payload["results"]
+    # the package's setting and the one smoke setting, each over every recorded sum
+    assert sum(r["ours"] for r in results) == 1 and len(results) == 2
+    geometries = payload["geometries"]
+    assert geometries and all(count >= 1 for *_, count in geometries)
+    for r in results:
+        assert len(r["per_sum_ms"]) == len(geometries)
+        assert r["bytes"] == sum(
+            rows * cols * getattr(torch, dtype).itemsize * count
+            for rows, cols, _, dtype, _, count in geometries
+        )

@@ -1,0 +1,187 @@
+"""Bandwidth of the Fisher statistics' row sums, per setting of the row-sum kernel, on the
+sums one refresh step of a model launches.
+
+Most of a refresh's device time is column sums (of squares) of 2-D views: a Linear's input
+and output gradient, a channels_last convolution's or batch norm's, launched alone or
+grouped (``kernels.grouped`` runs the same loop over each input). The script records
+every row sum of one refresh step of ``--model`` (``bench_train_step.py``'s model, batch,
+layout and bf16 autocast): rows, columns, row stride, dtype, squared or not. Then, for
+each setting of the kernel (``--tiles``: elements a program loads per iteration;
+``--warps``; ``--programs``: programs a split launch aims for per SM), it launches each
+recorded sum alone on a random input of its geometry, checks it against a float64 sum
+(float32 accumulation: within 4 sqrt(rows) unit roundoffs of the sum of magnitudes), and
+times it: the median of ``--repeats`` launches between CUDA events. One table: per
+setting, the step's sums in total (each geometry times its count), the bytes they read and
+the bandwidth, against the package's setting; a second: each geometry at the package's
+setting and at the fastest.
+
+Usage:
+    python benchmarks/bench_row_sums.py [--model M] [--tiles 4096,8192] --out "$OUT"
+    TRITON_INTERPRET=1 python benchmarks/bench_row_sums.py --smoke --out /tmp/rows  # CPU
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import bench_train_step as bench
+import harness
+import torch
+
+from hf_triaccel.kernels import grouped, stats
+
+OPTIONS = {
+    "batch_size": (int, 4, None, "batch (default by --model)"),
+    "image_size": (int, None, None, "image side, or tokens a sample (default by --model)"),
+    "repeats": (int, 2, 20, "timed launches per sum and setting"),
+}
+FLOAT32_ROUNDOFF = 2.0**-24
+
+
+def parse_list(text: str) -> list[int]:
+    """``"4096,8192"`` -> ``[4096, 8192]``."""
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
+def record_row_sums(args: Any) -> Counter:
+    """The row sums one refresh step of the model launches, alone or grouped, as a count
+    per geometry ``(rows, columns, row stride, dtype name, squared)``."""
+    row = {"optimizer": "AdaFisherW", "impl": "triton", "refresh": True, "status": "ok"}
+    row["layout"] = "none" if args.model in harness.TEXT_MODELS else "channels_last"
+    args.warmup = 1
+    model = bench.build(row, args)
+    opt, step = bench.prepare(row, model, args)
+    seen: Counter = Counter()
+
+    def note(launch: stats.ReductionLaunch, x: torch.Tensor) -> None:
+        if launch.rows is not None:
+            n_rows, n_cols, stride_row, square, _ = launch.rows
+            seen[(n_rows, n_cols, stride_row, str(x.dtype).split(".")[-1], square)] += 1
+
+    single, together = stats.ReductionLaunch.__call__, grouped.launch_grouped
+
+    def called(self, x, out, scale=1.0, accumulate=False):
+        note(self, x)
+        return single(self, x, out, scale, accumulate)
+
+    def grouped_called(key, entries):
+        for launch, x, *_ in entries:
+            note(launch, x)
+        return together(key, entries)
+
+    stats.ReductionLaunch.__call__, grouped.launch_grouped = called, grouped_called
+    try:
+        step()
+        harness.synchronize(args.device)
+    finally:
+        stats.ReductionLaunch.__call__, grouped.launch_grouped = single, together
+    opt.collector.remove()
+    return seen
+
+
+def check(out: torch.Tensor, x: torch.Tensor, square: bool) -> None:
+    """``out`` against the float64 column sums of ``x`` (of squares when ``square``)."""
+    wide = x.double()
+    terms = wide.square() if square else wide
+    want = terms.sum(0)
+    slack = 4 * math.sqrt(x.shape[0]) * FLOAT32_ROUNDOFF * terms.abs().sum(0)
+    error = (out.double() - want).abs()
+    if bool((error > slack + 1e-30).any()):
+        worst = float((error / (slack + 1e-30)).max())
+        raise AssertionError(f"row sums of {tuple(x.shape)}: {worst:.1f}x the float32 slack")
+
+
+def measure(geometry: tuple, setting: tuple[int, int, int], args: Any) -> float:
+    """Milliseconds of one launch of the row sum ``geometry`` at ``setting``, checked."""
+    n_rows, n_cols, stride_row, dtype, square = geometry
+    tile, warps, programs = setting
+    device = args.device
+    storage = torch.randn(n_rows * stride_row, device=device).to(getattr(torch, dtype))
+    x = storage.as_strided((n_rows, n_cols), (stride_row, 1))
+    out = torch.zeros(n_cols, device=device)
+    launch = stats.rows_launch(
+        n_rows, n_cols, stride_row, device, square,
+        tile=tile, num_warps=warps, programs_per_sm=programs,
+    )  # fmt: skip
+    launch(x, out)
+    check(out, x, square)
+    times = harness.time_steps(lambda: launch(x, out), device, warmup=1, steps=args.repeats)
+    return statistics.median(times)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Records the row sums, measures them at every setting, writes the tables."""
+    parser = harness.base_parser(__doc__.split("\n\n")[0], OPTIONS, impls=False)
+    parser.add_argument("--model", choices=tuple(bench.MODELS), default="resnet18_cifar")
+    parser.add_argument("--tiles", default="2048,4096,8192,16384", help="elements per tile")
+    parser.add_argument("--warps", default="4,8", help="warps per program")
+    parser.add_argument("--programs", default="2,4,8", help="programs per SM of a split launch")
+    parser.set_defaults(host=False)  # bench_train_step's defaults read it
+    args = harness.parse(parser, argv, bench.defaults)
+    if args.smoke:  # the interpreter runs every program in Python: one setting besides ours
+        args.tiles, args.warps, args.programs = "2048", "4", "2"
+    ours = (stats.TILE, stats.NUM_WARPS, stats.PROGRAMS_PER_SM)
+    grid = itertools.product(*(parse_list(v) for v in (args.tiles, args.warps, args.programs)))
+    settings = sorted(set(grid) | {ours})
+    geometries = record_row_sums(args)
+    results: list[dict] = []
+    for setting in settings:
+        per_sum = {g: measure(g, setting, args) for g in geometries}
+        total_ms = sum(ms * geometries[g] for g, ms in per_sum.items())
+        total_bytes = sum(
+            g[0] * g[1] * getattr(torch, g[3]).itemsize * count for g, count in geometries.items()
+        )
+        results.append(
+            {
+                "tile": setting[0], "warps": setting[1], "programs_per_sm": setting[2],
+                "ours": setting == ours, "total_ms": total_ms, "bytes": total_bytes,
+                "tb_per_s": total_bytes / total_ms / 1e9 if total_ms else None,
+                "per_sum_ms": {str(g): ms for g, ms in per_sum.items()},
+            }
+        )  # fmt: skip
+    base = next(r for r in results if r["ours"])
+    for r in results:
+        r["vs_ours"] = r["total_ms"] / base["total_ms"] if base["total_ms"] else None
+    best = min(results, key=lambda r: r["total_ms"])
+    fmt = harness.fmt
+    text = harness.table(
+        sorted(results, key=lambda r: r["total_ms"]),
+        {
+            "tile": lambda r: r["tile"],
+            "warps": lambda r: r["warps"],
+            "programs per SM": lambda r: r["programs_per_sm"],
+            "the step's row sums, ms": lambda r: fmt(r["total_ms"]),
+            "TB/s": lambda r: fmt(r["tb_per_s"], ".2f"),
+            "x ours": lambda r: fmt(r["vs_ours"], ".2f", "x") + (" (ours)" if r["ours"] else ""),
+        },
+    )
+    rows = [
+        {"geometry": g, "count": c, "ours": base["per_sum_ms"][str(g)] * 1e3,
+         "best": best["per_sum_ms"][str(g)] * 1e3}
+        for g, c in sorted(geometries.items(), key=lambda gc: -gc[0][0] * gc[0][1] * gc[1])
+    ]  # fmt: skip
+    text += "\n\nPer row sum (rows, columns, row stride, dtype, squared), us a launch:\n\n"
+    text += harness.table(
+        rows,
+        {
+            "geometry": lambda r: r["geometry"],
+            "per step": lambda r: r["count"],
+            "ours": lambda r: fmt(r["ours"], ".1f"),
+            f"fastest setting {best['tile']}/{best['warps']}/{best['programs_per_sm']}": (
+                lambda r: fmt(r["best"], ".1f")
+            ),
+        },
+    )
+    print(f"{args.model}, batch {args.batch_size}: {sum(geometries.values())} row sums a refresh")
+    payload = {"results": results, "geometries": [[*g, c] for g, c in geometries.items()]}
+    harness.finish("bench_row_sums", __file__, args, payload, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
