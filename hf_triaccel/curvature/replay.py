@@ -63,7 +63,8 @@ class Replay:
     def __call__(self, key: Hashable, run: Callable[[], object]) -> None:
         graph = self.graphs.get(key)
         if graph is not None and capturable(self.device):
-            graph.replay()
+            with torch.cuda.device(self.device):  # on the stream of the graph's device
+                graph.replay()
             return
         run()
         if key == self.previous and capturable(self.device):
