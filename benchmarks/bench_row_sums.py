@@ -96,21 +96,26 @@ def check(out: torch.Tensor, x: torch.Tensor, square: bool) -> None:
         raise AssertionError(f"row sums of {tuple(x.shape)}: {worst:.1f}x the float32 slack")
 
 
-def measure(geometry: tuple, setting: tuple[int, int, int], args: Any) -> float:
-    """Milliseconds of one launch of the row sum ``geometry`` at ``setting``, checked."""
-    n_rows, n_cols, stride_row, dtype, square = geometry
-    tile, warps, programs = setting
-    device = args.device
+def random_input(geometry: tuple, device: torch.device) -> torch.Tensor:
+    """A random input laid out as the row sum ``geometry`` reads it."""
+    n_rows, n_cols, stride_row, dtype, _ = geometry
     storage = torch.randn(n_rows * stride_row, device=device).to(getattr(torch, dtype))
-    x = storage.as_strided((n_rows, n_cols), (stride_row, 1))
-    out = torch.zeros(n_cols, device=device)
+    return storage.as_strided((n_rows, n_cols), (stride_row, 1))
+
+
+def measure(geometry: tuple, x: torch.Tensor, setting: tuple[int, int, int], args: Any) -> float:
+    """Milliseconds of one launch of the row sum ``geometry`` on ``x`` at ``setting``,
+    checked."""
+    n_rows, n_cols, stride_row, _, square = geometry
+    tile, warps, programs = setting
+    out = torch.zeros(n_cols, device=args.device)
     launch = stats.rows_launch(
-        n_rows, n_cols, stride_row, device, square,
+        n_rows, n_cols, stride_row, args.device, square,
         tile=tile, num_warps=warps, programs_per_sm=programs,
     )  # fmt: skip
     launch(x, out)
     check(out, x, square)
-    times = harness.time_steps(lambda: launch(x, out), device, warmup=1, steps=args.repeats)
+    times = harness.time_steps(lambda: launch(x, out), args.device, warmup=1, steps=args.repeats)
     return statistics.median(times)
 
 
@@ -129,13 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid = itertools.product(*(parse_list(v) for v in (args.tiles, args.warps, args.programs)))
     settings = sorted(set(grid) | {ours})
     geometries = record_row_sums(args)
+    inputs = {g: random_input(g, args.device) for g in geometries}
+    total_bytes = sum(x.nbytes * geometries[g] for g, x in inputs.items())  # bytes read
     results: list[dict] = []
     for setting in settings:
-        per_sum = {g: measure(g, setting, args) for g in geometries}
+        per_sum = {g: measure(g, inputs[g], setting, args) for g in geometries}
         total_ms = sum(ms * geometries[g] for g, ms in per_sum.items())
-        total_bytes = sum(
-            g[0] * g[1] * getattr(torch, g[3]).itemsize * count for g, count in geometries.items()
-        )
         results.append(
             {
                 "tile": setting[0], "warps": setting[1], "programs_per_sm": setting[2],

@@ -37,11 +37,16 @@ class DevicePlan(NamedTuple):
     fold: FactorFold
     replay: Replay
 
+    def counts(self) -> tuple[float, ...]:
+        """This process's counts, ``a_n`` and ``g_n`` per layer in order, as the finish
+        reads them."""
+        return tuple(c for ly in self.layers for c in (ly.a_n, ly.g_n))
+
     def finish_and_fold(self, mode: str, gamma: float, normalise: str) -> None:
         """Finishes the layers' merged sums of one process and folds them, replayed as
         a CUDA graph where the same counts and fold repeat
         (:mod:`~hf_triaccel.curvature.replay`)."""
-        counts = tuple(c for ly in self.layers for c in (ly.a_n, ly.g_n))
+        counts = self.counts()
 
         def run() -> None:
             self.finish(counts)
@@ -90,7 +95,7 @@ def fold_step(
         if world > 1:
             plan.finish(sum_over_processes(plan.layers))
         else:
-            plan.finish([c for ly in plan.layers for c in (ly.a_n, ly.g_n)])
+            plan.finish(plan.counts())
     g_scale: torch.Tensor | float = float(world) ** 2
     if loss_scale is not None:
         g_scale = g_scale * loss_scale.double().square().float()
