@@ -39,16 +39,22 @@ from hf_triaccel._types import (
     check_statistic_out,
 )
 
-# Sizes below were picked by measurement on an H200 (bf16 inputs, 64 to 150K columns).
-# Elements in one loaded tile: 16 elements per thread with 8 warps.
-TILE = 4096
-NUM_WARPS = 8
+# The row sums' settings, picked on an H200 by benchmarks/bench_row_sums.py over the row
+# sums of a CIFAR ResNet-18's and EfficientNet-B0's refresh (bf16, 4 to 98K columns, 512
+# to 524K rows): elements in one loaded tile (128 per thread: many loads in flight from
+# few programs), warps per program, and programs a split launch aims for per
+# streaming multiprocessor.
+TILE = 16384
+NUM_WARPS = 4
+PROGRAMS_PER_SM = 2
+# The channel kernel (inputs laid out (B, C, L)) keeps the settings it was tuned with.
+_CHANNEL_TILE = 4096
+_CHANNEL_NUM_WARPS = 8
+_CHANNEL_PROGRAMS_PER_SM = 4
 # Widest column block of the row-sum kernel and longest position block of the channel
 # kernel; narrow column blocks give short-wide inputs enough programs without a split.
 _MAX_BLOCK_D = 128
 _MAX_BLOCK_L = 512
-# Programs to aim for per streaming multiprocessor, enough loads in flight to saturate HBM.
-PROGRAMS_PER_SM = 4
 # a split launch keeps partial sums up to this many floats (64 KiB) from launch to launch
 KEPT_PARTIALS = 16384
 # Under the CPU interpreter every program costs Python time; a handful still exercises
@@ -279,7 +285,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _target_programs(device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+def _target_programs(device: torch.device, programs_per_sm: int) -> int:
     """How many programs a reduction should launch to keep ``device`` busy."""
     if device.type != "cuda":
         return _INTERPRETED_PROGRAMS
@@ -287,7 +293,7 @@ def _target_programs(device: torch.device, programs_per_sm: int = PROGRAMS_PER_S
 
 
 def _split(
-    n_units: int, n_blocks: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM
+    n_units: int, n_blocks: int, device: torch.device, programs_per_sm: int
 ) -> tuple[int, int]:
     """Splits ``n_units`` of sequential work so ``n_blocks * splits`` nears the target.
 
@@ -496,14 +502,17 @@ def channels_launch(
     """Per-channel sums of a (b, c, length) input with unit stride along its last dim;
     b, c, length >= 1."""
     block_l = min(_pow2(length), _MAX_BLOCK_L)
-    block_c = min(max(1, TILE // block_l), _pow2(c))
+    block_c = min(max(1, _CHANNEL_TILE // block_l), _pow2(c))
     chan_blocks = _cdiv(c, block_c)
     pos_blocks = _cdiv(length, block_l)
     n_items = b * pos_blocks
-    items_per_split, splits = _split(n_items, chan_blocks, device)
+    items_per_split, splits = _split(n_items, chan_blocks, device, _CHANNEL_PROGRAMS_PER_SM)
     args = {"n_chan": c, "n_pos": length, "stride_b": stride_b, "stride_c": stride_c}
     args.update(n_pos_blocks=pos_blocks, items_per_split=items_per_split, n_items=n_items)
-    meta = {"SQUARE": square, "BLOCK_C": block_c, "BLOCK_L": block_l, "num_warps": NUM_WARPS}
+    meta = {
+        "SQUARE": square, "BLOCK_C": block_c, "BLOCK_L": block_l,
+        "num_warps": _CHANNEL_NUM_WARPS,
+    }  # fmt: skip
     return ReductionLaunch(
         _channel_sum_kernel, (chan_blocks, splits), args, meta, splits, c, device, tail
     )

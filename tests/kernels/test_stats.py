@@ -65,7 +65,7 @@ def check_channel_sum(x: torch.Tensor, square: bool, rtol: float = 1e-5) -> None
         (5, 1),  # a single column
         (300, 300),  # more than one column block and several row splits
         (20, 600),  # enough column blocks not to split rows
-        (1500, 5),  # many row blocks per split
+        (40000, 5),  # many row blocks per split
     ],
 )
 def test_sum_rows_matches_reference(shape, square, dtype):
@@ -81,11 +81,11 @@ def test_sum_rows_strided_layouts(square):
 
 
 def test_split_sums_are_added_by_the_last_program(monkeypatch):
-    # 100 splits of one column block: the finishing program adds them in several tiles
+    # 200 splits of one column block: the finishing program adds them in several tiles
     monkeypatch.setattr(stats, "_INTERPRETED_PROGRAMS", 400)
-    x = randn(3200, 100)
+    x = randn(200 * (stats.TILE // 128), 100)  # 200 row blocks of one column block
     launch = stats.reduction_launch(x, square=True)
-    assert launch.grid == (1, 100) and launch.kwargs["BLOCK_S"] < 100
+    assert launch.grid == (1, 200) and launch.kwargs["BLOCK_S"] < 200
     out = torch.full((100,), 7.0)
     launch(x, out, scale=0.5)
     expected = sum_rows_reference(x, True, scale=0.5)
@@ -166,7 +166,7 @@ def test_channel_sum_is_deterministic_and_dispatched():
 
 EPILOGUE_CASES = [
     ("rows", (37, 19)),  # one split
-    ("rows", (1500, 5)),  # split, then the finishing kernel
+    ("rows", (20000, 5)),  # split, then the finishing kernel
     ("rows_transposed", (40, 30)),  # summed as channels
     ("channels", (3, 5, 11)),
     ("channels", (2, 9, 1500)),  # split
