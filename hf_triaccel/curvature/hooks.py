@@ -50,30 +50,35 @@ def in_checkpoint_recompute() -> bool:
         >>> in_checkpoint_recompute()  # a forward outside any backward
         False
     """
-    if torch._C._current_graph_task_id() == -1:
-        return False
+    return _recomputing(_saved_tensors_hooked())
+
+
+def _recomputing(hooked: bool | None) -> bool:
+    """:func:`in_checkpoint_recompute`, given what :func:`_saved_tensors_hooked` says (a
+    torch that cannot say: take the statistic; the recompute's output gets no gradient,
+    so it is never confirmed and still counts once)."""
+    return bool(hooked) and torch._C._current_graph_task_id() != -1
+
+
+def _saved_tensors_hooked() -> bool | None:
+    """Whether saved-tensor hooks are active (activation checkpointing, offloading);
+    ``None`` on a torch that cannot say."""
     try:
         return _current_saved_tensors_hooks() is not None
     except (AttributeError, TypeError):
-        # a torch without this query: take the statistic; the recompute's output gets no
-        # gradient, so it is never confirmed and still counts once
-        return False
+        return None
 
 
-def _kept(saved: bool, x: torch.Tensor) -> bool:
+def _kept(saved: bool, hooked: bool | None, x: torch.Tensor) -> bool:
     """Whether a forward whose rule keeps its input for the backward (``saved``:
     :meth:`~hf_triaccel.curvature.rules.FisherRule.input_saved`) keeps ``x`` itself:
     autocast does not cast it first, and no saved-tensor hooks (activation checkpointing,
-    offloading) take what the forward saves elsewhere."""
-    if not saved:
+    offloading) take what the forward saves elsewhere (``hooked``: what
+    :func:`_saved_tensors_hooked` says; unknown, the statistic is taken at once)."""
+    if not saved or hooked is not False:
         return False
     device = x.device.type
-    if torch.is_autocast_enabled(device) and x.dtype != torch.get_autocast_dtype(device):
-        return False
-    try:
-        return _current_saved_tensors_hooks() is None
-    except (AttributeError, TypeError):
-        return False  # a torch without this query: take the statistic at once
+    return not torch.is_autocast_enabled(device) or x.dtype == torch.get_autocast_dtype(device)
 
 
 class InertHook:
@@ -130,7 +135,10 @@ class ActivationHook(_StatisticsHook):
         record, or ``None`` when this forward takes no statistic."""
         layer = self.layer
         # a shallow copy of the model shares the hook dicts: ignore the copy's calls
-        if module is not layer.module or not torch.is_grad_enabled() or in_checkpoint_recompute():
+        if module is not layer.module or not torch.is_grad_enabled():
+            return None
+        hooked = _saved_tensors_hooked()  # asked once for both tests
+        if _recomputing(hooked):
             return None
         x = args[0] if args else next(iter(kwargs.values()))
         collector = self.collector
@@ -140,7 +148,7 @@ class ActivationHook(_StatisticsHook):
         if layer.follow(anchor.device):
             collector.generation += 1  # whoever cached the factors' addresses
         # an input the forward keeps anyway can wait for the backward, with the others
-        batch = collector.batches.activations if _kept(self.saved, x) else None
+        batch = collector.batches.activations if _kept(self.saved, hooked, x) else None
         previous = activate(batch)
         try:
             return layer.take_activation(module, x.detach(), collector.impl)

@@ -41,6 +41,7 @@ class NormPlan:
     reduce: Reducer  # writes the sums, then (unless wrapped) zeros and the size entry
     scale: float  # 1 / R^2
     count: float
+    positions: int  # the entries of dim 1 the sums keep
     # when C > positions: the reduction's scratch, its (-1, positions) view and what
     # follows the wrapped sums in ``out`` (the size entry)
     wrapped: torch.Tensor | None = None
@@ -58,11 +59,12 @@ def norm_plan(x: torch.Tensor, impl: str | None, positions: int) -> NormPlan:
     scale, size = inverse(float(length) ** 2), float(b * c)  # size: dim 1's, summed
     if c <= positions:
         reduce = reducer(impl, x, view, False, tail=(positions - c + 1, size))
-        return NormPlan(reduce, scale, float(b))
+        return NormPlan(reduce, scale, float(b), positions)
     return NormPlan(
         reducer(impl, x, view, False),
         scale,
         float(b),
+        positions,
         wrapped=torch.zeros(-(-c // positions) * positions, device=x.device),
         sums=ViewOf(lambda out: out[:positions]),
         tail=ViewOf(lambda out: out[positions:]),
@@ -89,17 +91,22 @@ def norm_a_write(
     """
     key = ("a", x.shape, x.stride())
     plan = cache.get(key) or remember(cache, key, norm_plan(x, impl, positions))
+    return write_norm_sums(plan, x, out)
+
+
+def write_norm_sums(plan: NormPlan, x: torch.Tensor, out: torch.Tensor) -> float:
+    """:func:`norm_a_write` with its plan looked up; returns B."""
     if plan.wrapped is None:
         plan.reduce(x, out, plan.scale)
         return plan.count
     plan.reduce(x, plan.wrapped, plan.scale)
-    then(_wrap, plan, out, positions)  # after the reduction, if it is queued
+    then(_wrap, plan, out)  # after the reduction, if it is queued
     return plan.count
 
 
-def _wrap(plan: NormPlan, out: torch.Tensor, positions: int) -> None:
-    """Adds the wrapped sums of a layer wider than ``positions`` into ``out``."""
-    torch.sum(plan.wrapped.view(-1, positions), 0, out=plan.sums(out))
+def _wrap(plan: NormPlan, out: torch.Tensor) -> None:
+    """Adds the wrapped sums of a layer wider than the positions kept into ``out``."""
+    torch.sum(plan.wrapped.view(-1, plan.positions), 0, out=plan.sums(out))
     plan.tail(out).copy_(plan.tail_values)
 
 
@@ -162,7 +169,12 @@ class NormRule(FisherRule):
         return SquareMean()
 
     def a_write(self, module, x, out, impl, cache):
-        return norm_a_write(x, out, impl, cache, self.positions(module))
+        # the positions are asked only for a new plan: reading a module's attributes costs
+        # more host time than a hook can spare
+        plan = cache.get(("a", x.shape, x.stride()))
+        if plan is None:
+            return norm_a_write(x, out, impl, cache, self.positions(module))
+        return write_norm_sums(plan, x, out)
 
     def output_module(self, module):
         return norm_output_module(module)
