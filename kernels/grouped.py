@@ -32,15 +32,21 @@ import triton.language as tl
 
 from hf_triaccel.kernels.stats import (
     KEPT_PARTIALS,
-    NUM_WARPS,
-    TILE,
     ReductionLaunch,
     compiled_kernel,
     direct_launch_supported,
     launch_compiled,
+    rows_geometry,
     slab_sums,
     write_tail,
 )
+
+# The grouped kernel's settings, its own: it compiles both loops (sums and sums of
+# squares) and reads its tables, and at the single kernel's large tile it ran at half the
+# speed of these (a CIFAR ResNet-18's refresh on an H200, benchmarks/profile_refresh.py).
+_TILE = 4096
+_NUM_WARPS = 8
+_PROGRAMS_PER_SM = 4
 
 # Sequences of reductions whose tables are kept: every flush of a refresh step is one (a
 # model of hundreds of layers whose gradients are launched a few at a time has hundreds),
@@ -271,7 +277,12 @@ def group_key(launch: ReductionLaunch, x: torch.Tensor) -> tuple | None:
     kernel does not read)."""
     if launch.rows is None or x.dtype not in _DTYPES:
         return None
-    return (x.dtype, launch.kwargs["BLOCK_N"], launch.kwargs["BLOCK_D"])
+    geometry = launch.group
+    if geometry is None:
+        n_rows, n_cols = launch.rows[:2]
+        geometry = rows_geometry(n_rows, n_cols, x.device, _TILE, _PROGRAMS_PER_SM)
+        launch.group = geometry
+    return (x.dtype, geometry[0], geometry[1])
 
 
 class _GroupPlan:
@@ -288,11 +299,10 @@ class _GroupPlan:
         part = ticket = 0
         for task, launch in enumerate(launches):
             n_rows, n_cols, stride_row, square, tail = launch.rows
-            kw = launch.kwargs
-            col_blocks, splits = launch.grid
+            _, _, col_blocks, rows_per_split, splits = launch.group  # set by group_key
             tail_len, tail_value = tail if tail is not None else (0, 0.0)
             static.append(
-                (n_rows, n_cols, stride_row, kw["rows_per_split"], splits, part, ticket,
+                (n_rows, n_cols, stride_row, rows_per_split, splits, part, ticket,
                  tail_len, int(square), _bits(float(tail_value)))
             )  # fmt: skip
             tiles += [(task, b, s) for b in range(col_blocks) for s in range(splits)]
@@ -319,9 +329,9 @@ class _GroupPlan:
                 DTYPE=_DTYPES[dtype],
                 BLOCK_N=block_n,
                 BLOCK_D=block_d,
-                BLOCK_S=max(1, TILE // block_d),
+                BLOCK_S=max(1, _TILE // block_d),
             ),
-            num_warps=NUM_WARPS,
+            num_warps=_NUM_WARPS,
             device=device,
         )
 

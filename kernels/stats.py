@@ -384,7 +384,8 @@ class ReductionLaunch:
     """
 
     __slots__ = (
-        "kernel", "grid", "kwargs", "rows", "part", "tickets", "compiled", "template", "at"
+        "kernel", "grid", "kwargs", "rows", "group", "part", "tickets", "compiled",
+        "template", "at",
     )  # fmt: skip
 
     def __init__(self, kernel, grid, sizes, meta, splits, n, device, tail):
@@ -408,6 +409,8 @@ class ReductionLaunch:
             kw = self.kwargs
             tail = (kw["tail_len"], kw["tail_value"]) if kw["TAIL"] else None
             self.rows = kw["n_rows"], kw["n_cols"], kw["stride_row"], kw["SQUARE"], tail
+        # how the grouped kernel cuts this row sum: worked out by kernels.grouped on first use
+        self.group: tuple[int, int, int, int, int] | None = None
         # a split launch's partials: kept when small (launches of one object run in order,
         # as for the tickets), else allocated per launch from their shape kept here;
         # unsplit, the kernel never touches partials or tickets: one entry each stands in
@@ -460,6 +463,18 @@ class ReductionLaunch:
 _BLOCK_KEY = {_sum_rows_kernel: "BLOCK_D", _channel_sum_kernel: "BLOCK_C"}
 
 
+def rows_geometry(
+    n: int, d: int, device: torch.device, tile: int, programs_per_sm: int
+) -> tuple[int, int, int, int, int]:
+    """How a row-sum kernel loading ``tile`` elements at a time cuts an (n, d) sum:
+    ``(BLOCK_N, BLOCK_D, column blocks, rows per split, splits)``; n, d >= 1."""
+    block_d = min(_pow2(d), _MAX_BLOCK_D)
+    block_n = min(max(1, tile // block_d), _pow2(n))
+    col_blocks = _cdiv(d, block_d)
+    blocks_per_split, splits = _split(_cdiv(n, block_n), col_blocks, device, programs_per_sm)
+    return block_n, block_d, col_blocks, blocks_per_split * block_n, splits
+
+
 def rows_launch(
     n: int,
     d: int,
@@ -477,12 +492,11 @@ def rows_launch(
     ``num_warps`` and ``programs_per_sm`` (the programs a split launch aims for) are the
     statistics' settings unless a tuning run (``benchmarks/bench_row_sums.py``) asks for
     others."""
-    block_d = min(_pow2(d), _MAX_BLOCK_D)
-    block_n = min(max(1, tile // block_d), _pow2(n))
-    col_blocks = _cdiv(d, block_d)
-    blocks_per_split, splits = _split(_cdiv(n, block_n), col_blocks, device, programs_per_sm)
+    block_n, block_d, col_blocks, rows_per_split, splits = rows_geometry(
+        n, d, device, tile, programs_per_sm
+    )
     args = {"n_rows": n, "n_cols": d, "stride_row": stride_row}
-    args["rows_per_split"] = blocks_per_split * block_n
+    args["rows_per_split"] = rows_per_split
     meta = {"SQUARE": square, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": num_warps}
     return ReductionLaunch(
         _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail
