@@ -19,8 +19,14 @@ setting, the step's sums in total (each geometry times its count), the bytes the
 the bandwidth, against the package's setting; a second: each geometry at the package's
 setting and at the fastest.
 
+With ``--grouped``, the settings are the grouped kernel's (``kernels.grouped``: ``TILE``,
+``NUM_WARPS``, ``PROGRAMS_PER_SM``) and the work is the step's own grouped launches, on
+the step's own inputs: per setting, every launch cut again, each sum checked as above,
+and the launches of the whole step timed as one CUDA graph.
+
 Usage:
     python benchmarks/bench_row_sums.py [--model M] [--tiles 4096,8192] --out "$OUT"
+    python benchmarks/bench_row_sums.py --grouped --tiles 4096,8192,16384 --out "$OUT"
     TRITON_INTERPRET=1 python benchmarks/bench_row_sums.py --smoke --out /tmp/rows  # CPU
 """
 
@@ -53,15 +59,18 @@ def parse_list(text: str) -> list[int]:
     return [int(s) for s in text.split(",") if s.strip()]
 
 
-def record_row_sums(args: Any) -> Counter:
+def record_step(args: Any) -> tuple[Counter, list[list[tuple]]]:
     """The row sums one refresh step of the model launches, alone or grouped, as a count
-    per geometry ``(rows, columns, row stride, dtype name, squared)``."""
+    per geometry ``(rows, columns, row stride, dtype name, squared)``; and its grouped
+    launches, each as its entries ``(launch, input, output, scale, accumulate)`` (the
+    inputs kept)."""
     row = {"optimizer": "AdaFisherW", "impl": "triton", "refresh": True, "status": "ok"}
     row["layout"] = "none" if args.model in harness.TEXT_MODELS else "channels_last"
     args.warmup = 1
     model = bench.build(row, args)
     opt, step = bench.prepare(row, model, args)
     seen: Counter = Counter()
+    groups: list[list[tuple]] = []
 
     def note(launch: stats.ReductionLaunch, x: torch.Tensor) -> None:
         if launch.rows is not None:
@@ -77,6 +86,7 @@ def record_row_sums(args: Any) -> Counter:
     def grouped_called(key, entries):
         for launch, x, *_ in entries:
             note(launch, x)
+        groups.append(list(entries))
         return together(key, entries)
 
     stats.ReductionLaunch.__call__, grouped.launch_grouped = called, grouped_called
@@ -86,15 +96,16 @@ def record_row_sums(args: Any) -> Counter:
     finally:
         stats.ReductionLaunch.__call__, grouped.launch_grouped = single, together
     opt.collector.remove()
-    return seen
+    return seen, groups
 
 
-def check(out: torch.Tensor, x: torch.Tensor, square: bool) -> None:
-    """``out`` against the float64 column sums of ``x`` (of squares when ``square``)."""
+def check(out: torch.Tensor, x: torch.Tensor, square: bool, scale: float = 1.0) -> None:
+    """``out`` against ``scale`` times the float64 column sums of ``x`` (of squares when
+    ``square``)."""
     wide = x.double()
     terms = wide.square() if square else wide
-    want = terms.sum(0)
-    slack = 4 * math.sqrt(x.shape[0]) * FLOAT32_ROUNDOFF * terms.abs().sum(0)
+    want = terms.sum(0) * scale
+    slack = 4 * math.sqrt(x.shape[0]) * FLOAT32_ROUNDOFF * terms.abs().sum(0) * abs(scale)
     error = (out.double() - want).abs()
     if bool((error > slack + 1e-30).any()):
         worst = float((error / (slack + 1e-30)).max())
@@ -150,6 +161,95 @@ def measure(geometry: tuple, inputs: list, setting: tuple[int, int, int], args: 
     return statistics.median(times)
 
 
+def rows_view(launch: stats.ReductionLaunch, x: torch.Tensor) -> torch.Tensor:
+    """The (rows, columns) view of ``x`` that the row sum ``launch`` reads (a queued sum
+    holds its input as the layer gave it)."""
+    n_rows, n_cols, stride_row, _, _ = launch.rows
+    return x.as_strided((n_rows, n_cols), (stride_row, 1))
+
+
+def measure_grouped(groups: list[list[tuple]], setting: tuple[int, int, int], args: Any) -> float:
+    """Milliseconds of the step's grouped launches ``groups`` cut at the grouped kernel's
+    ``setting``, each sum checked: one CUDA graph of them all (on the CPU, calls)."""
+    names = ("TILE", "NUM_WARPS", "PROGRAMS_PER_SM")
+    kept = [getattr(grouped, name) for name in names]
+    for name, value in zip(names, setting, strict=True):
+        setattr(grouped, name, value)
+    grouped.forget_plans()
+    try:
+        launches = []
+        for entries in groups:
+            fresh = [(r, x, torch.zeros_like(out), sc, acc) for r, x, out, sc, acc in entries]
+            by_key: dict[tuple, list[tuple]] = {}
+            for entry in fresh:
+                entry[0].group = None  # cut again at this setting
+                by_key.setdefault(grouped.group_key(entry[0], entry[1]), []).append(entry)
+            launches += by_key.items()
+        for key, entries in launches:  # compiles outside the capture; checked
+            grouped.launch_grouped(key, entries)
+            for launch, x, out, scale, _ in entries:
+                rows = rows_view(launch, x)
+                check(out[: rows.shape[1]], rows, launch.rows[3], scale)
+
+        def run() -> None:
+            for key, entries in launches:
+                grouped.launch_grouped(key, entries)
+
+        if args.device.type != "cuda":
+            return statistics.median(harness.time_steps(run, args.device, warmup=1, steps=2))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+        steps = args.repeats
+        return statistics.median(
+            harness.time_steps(graph.replay, args.device, warmup=1, steps=steps)
+        )
+    finally:
+        for name, value in zip(names, kept, strict=True):
+            setattr(grouped, name, value)
+        grouped.forget_plans()
+        for entries in groups:
+            for entry in entries:
+                entry[0].group = None
+
+
+def grouped_sweep(groups: list[list[tuple]], args: Any) -> int:
+    """The ``--grouped`` run: the step's grouped launches at every setting, one table."""
+    ours = (grouped.TILE, grouped.NUM_WARPS, grouped.PROGRAMS_PER_SM)
+    grid = itertools.product(*(parse_list(v) for v in (args.tiles, args.warps, args.programs)))
+    settings = sorted(set(grid) | {ours})
+    total_bytes = sum(rows_view(r, x).nbytes for entries in groups for r, x, *_ in entries)
+    results = []
+    for setting in settings:
+        ms = measure_grouped(groups, setting, args)
+        results.append(
+            {"tile": setting[0], "warps": setting[1], "programs_per_sm": setting[2],
+             "ours": setting == ours, "total_ms": ms, "bytes": total_bytes,
+             "tb_per_s": total_bytes / ms / 1e9 if ms else None}
+        )  # fmt: skip
+    base = next(r for r in results if r["ours"])
+    for r in results:
+        r["vs_ours"] = r["total_ms"] / base["total_ms"] if base["total_ms"] else None
+    fmt = harness.fmt
+    text = harness.table(
+        sorted(results, key=lambda r: r["total_ms"]),
+        {
+            "tile": lambda r: r["tile"],
+            "warps": lambda r: r["warps"],
+            "programs per SM": lambda r: r["programs_per_sm"],
+            "the step's grouped launches, ms": lambda r: fmt(r["total_ms"]),
+            "TB/s": lambda r: fmt(r["tb_per_s"], ".2f"),
+            "x ours": lambda r: fmt(r["vs_ours"], ".2f", "x") + (" (ours)" if r["ours"] else ""),
+        },
+    )
+    sums = sum(len(entries) for entries in groups)
+    print(f"{args.model}, batch {args.batch_size}: {len(groups)} grouped launches, {sums} sums")
+    payload = {"results": results, "launches": len(groups), "sums": sums}
+    harness.finish("bench_row_sums_grouped", __file__, args, payload, text)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Records the row sums, measures them at every setting, writes the tables."""
     parser = harness.base_parser(__doc__.split("\n\n")[0], OPTIONS, impls=False)
@@ -157,14 +257,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tiles", default="2048,4096,8192,16384", help="elements per tile")
     parser.add_argument("--warps", default="4,8", help="warps per program")
     parser.add_argument("--programs", default="2,4,8", help="programs per SM of a split launch")
+    parser.add_argument("--grouped", action="store_true", help="the grouped kernel's settings")
     parser.set_defaults(host=False)  # bench_train_step's defaults read it
     args = harness.parse(parser, argv, bench.defaults)
     if args.smoke:  # the interpreter runs every program in Python: one setting besides ours
         args.tiles, args.warps, args.programs = "2048", "4", "2"
+    geometries, groups = record_step(args)
+    if args.grouped:
+        return grouped_sweep(groups, args)
     ours = (stats.TILE, stats.NUM_WARPS, stats.PROGRAMS_PER_SM)
     grid = itertools.product(*(parse_list(v) for v in (args.tiles, args.warps, args.programs)))
     settings = sorted(set(grid) | {ours})
-    geometries = record_row_sums(args)
     inputs = {g: random_inputs(g, args.device) for g in geometries}
     total_bytes = sum(xs[0].nbytes * geometries[g] for g, xs in inputs.items())  # bytes read
     results: list[dict] = []

@@ -41,12 +41,14 @@ from hf_triaccel.kernels.stats import (
     write_tail,
 )
 
-# The grouped kernel's settings, its own: it compiles both loops (sums and sums of
-# squares) and reads its tables, and at the single kernel's large tile it ran at half the
-# speed of these (a CIFAR ResNet-18's refresh on an H200, benchmarks/profile_refresh.py).
-_TILE = 4096
-_NUM_WARPS = 8
-_PROGRAMS_PER_SM = 4
+# The grouped kernel's settings, its own (it compiles both loops, sums and sums of
+# squares, and reads its tables): the fastest on the grouped launches of a CIFAR
+# ResNet-18's and EfficientNet-B0's refresh on an H200 (benchmarks/bench_row_sums.py
+# --grouped), where the single kernel's larger tile ran at half their speed. A plan is cut
+# with the settings of when it was made (forget_plans).
+TILE = 4096
+NUM_WARPS = 8
+PROGRAMS_PER_SM = 2
 
 # Sequences of reductions whose tables are kept: every flush of a refresh step is one (a
 # model of hundreds of layers whose gradients are launched a few at a time has hundreds),
@@ -280,7 +282,7 @@ def group_key(launch: ReductionLaunch, x: torch.Tensor) -> tuple | None:
     geometry = launch.group
     if geometry is None:
         n_rows, n_cols = launch.rows[:2]
-        geometry = rows_geometry(n_rows, n_cols, x.device, _TILE, _PROGRAMS_PER_SM)
+        geometry = rows_geometry(n_rows, n_cols, x.device, TILE, PROGRAMS_PER_SM)
         launch.group = geometry
     return (x.dtype, geometry[0], geometry[1])
 
@@ -329,9 +331,9 @@ class _GroupPlan:
                 DTYPE=_DTYPES[dtype],
                 BLOCK_N=block_n,
                 BLOCK_D=block_d,
-                BLOCK_S=max(1, _TILE // block_d),
+                BLOCK_S=max(1, TILE // block_d),
             ),
-            num_warps=_NUM_WARPS,
+            num_warps=NUM_WARPS,
             device=device,
         )
 
@@ -345,6 +347,12 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 
 # row-sum plans, and the gathers' launches, keyed by their table
 _PLANS: OrderedDict[tuple, _GroupPlan | _Launch] = OrderedDict()
+
+
+def forget_plans() -> None:
+    """Drops every plan kept (their tables and tickets), so that the next launches are cut
+    again: after the settings changed (a tuning run)."""
+    _PLANS.clear()
 
 
 def launch_grouped(

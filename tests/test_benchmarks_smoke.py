@@ -750,3 +750,13 @@ def test_bench_row_sums_smoke(bench, tmp_path):
             rows * cols * getattr(torch, dtype).itemsize * count
             for rows, cols, _, dtype, _, count in geometries
         )
+
+
+def test_bench_row_sums_grouped_smoke(bench, tmp_path):
+    payload = _run(bench, "bench_row_sums", tmp_path, "--grouped", record="bench_row_sums_grouped")
+    results = payload["results"]
+    # the grouped kernel's setting and the one smoke setting, each over the step's launches
+    # (every sum checked against float64 inside the run)
+    assert sum(r["ours"] for r in results) == 1 and len(results) == 2
+    assert payload["launches"] >= 1 and payload["sums"] > payload["launches"]
+    assert all(r["total_ms"] > 0 and r["bytes"] == results[0]["bytes"] > 0 for r in results)
