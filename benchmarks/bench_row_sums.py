@@ -217,37 +217,52 @@ def measure_grouped(groups: list[list[tuple]], setting: tuple[int, int, int], ar
 def grouped_sweep(groups: list[list[tuple]], args: Any) -> int:
     """The ``--grouped`` run: the step's grouped launches at every setting, one table."""
     ours = (grouped.TILE, grouped.NUM_WARPS, grouped.PROGRAMS_PER_SM)
-    grid = itertools.product(*(parse_list(v) for v in (args.tiles, args.warps, args.programs)))
-    settings = sorted(set(grid) | {ours})
     total_bytes = sum(rows_view(r, x).nbytes for entries in groups for r, x, *_ in entries)
-    results = []
-    for setting in settings:
-        ms = measure_grouped(groups, setting, args)
-        results.append(
-            {"tile": setting[0], "warps": setting[1], "programs_per_sm": setting[2],
-             "ours": setting == ours, "total_ms": ms, "bytes": total_bytes,
-             "tb_per_s": total_bytes / ms / 1e9 if ms else None}
-        )  # fmt: skip
-    base = next(r for r in results if r["ours"])
-    for r in results:
-        r["vs_ours"] = r["total_ms"] / base["total_ms"] if base["total_ms"] else None
-    fmt = harness.fmt
-    text = harness.table(
-        sorted(results, key=lambda r: r["total_ms"]),
-        {
-            "tile": lambda r: r["tile"],
-            "warps": lambda r: r["warps"],
-            "programs per SM": lambda r: r["programs_per_sm"],
-            "the step's grouped launches, ms": lambda r: fmt(r["total_ms"]),
-            "TB/s": lambda r: fmt(r["tb_per_s"], ".2f"),
-            "x ours": lambda r: fmt(r["vs_ours"], ".2f", "x") + (" (ours)" if r["ours"] else ""),
-        },
-    )
+    results = [
+        result(setting, ours, measure_grouped(groups, setting, args), total_bytes)
+        for setting in settings(args, ours)
+    ]
+    text = compare(results, "the step's grouped launches, ms")
     sums = sum(len(entries) for entries in groups)
     print(f"{args.model}, batch {args.batch_size}: {len(groups)} grouped launches, {sums} sums")
     payload = {"results": results, "launches": len(groups), "sums": sums}
     harness.finish("bench_row_sums_grouped", __file__, args, payload, text)
     return 0
+
+
+def settings(args: Any, ours: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+    """The settings ``(tile, warps, programs per SM)`` the flags ask for, and ``ours``."""
+    grid = itertools.product(*(parse_list(v) for v in (args.tiles, args.warps, args.programs)))
+    return sorted(set(grid) | {ours})
+
+
+def result(setting: tuple[int, int, int], ours: tuple, total_ms: float, nbytes: int) -> dict:
+    """One setting's row of the record: its time for the work and the bandwidth."""
+    return {
+        "tile": setting[0], "warps": setting[1], "programs_per_sm": setting[2],
+        "ours": setting == ours, "total_ms": total_ms, "bytes": nbytes,
+        "tb_per_s": nbytes / total_ms / 1e9 if total_ms else None,
+    }  # fmt: skip
+
+
+def compare(results: list[dict], what: str) -> str:
+    """Adds each setting's time against the package's (``vs_ours``); the table, fastest
+    first, with ``what`` naming the time column."""
+    base = next(r for r in results if r["ours"])
+    for r in results:
+        r["vs_ours"] = r["total_ms"] / base["total_ms"] if base["total_ms"] else None
+    fmt = harness.fmt
+    return harness.table(
+        sorted(results, key=lambda r: r["total_ms"]),
+        {
+            "tile": lambda r: r["tile"],
+            "warps": lambda r: r["warps"],
+            "programs per SM": lambda r: r["programs_per_sm"],
+            what: lambda r: fmt(r["total_ms"]),
+            "TB/s": lambda r: fmt(r["tb_per_s"], ".2f"),
+            "x ours": lambda r: fmt(r["vs_ours"], ".2f", "x") + (" (ours)" if r["ours"] else ""),
+        },
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -266,38 +281,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.grouped:
         return grouped_sweep(groups, args)
     ours = (stats.TILE, stats.NUM_WARPS, stats.PROGRAMS_PER_SM)
-    grid = itertools.product(*(parse_list(v) for v in (args.tiles, args.warps, args.programs)))
-    settings = sorted(set(grid) | {ours})
     inputs = {g: random_inputs(g, args.device) for g in geometries}
     total_bytes = sum(xs[0].nbytes * geometries[g] for g, xs in inputs.items())  # bytes read
     results: list[dict] = []
-    for setting in settings:
+    for setting in settings(args, ours):
         per_sum = {g: measure(g, inputs[g], setting, args) for g in geometries}
         total_ms = sum(ms * geometries[g] for g, ms in per_sum.items())
-        results.append(
-            {
-                "tile": setting[0], "warps": setting[1], "programs_per_sm": setting[2],
-                "ours": setting == ours, "total_ms": total_ms, "bytes": total_bytes,
-                "tb_per_s": total_bytes / total_ms / 1e9 if total_ms else None,
-                "per_sum_ms": {str(g): ms for g, ms in per_sum.items()},
-            }
-        )  # fmt: skip
+        results.append(result(setting, ours, total_ms, total_bytes))
+        results[-1]["per_sum_ms"] = {str(g): ms for g, ms in per_sum.items()}
+    text = compare(results, "the step's row sums, ms")
     base = next(r for r in results if r["ours"])
-    for r in results:
-        r["vs_ours"] = r["total_ms"] / base["total_ms"] if base["total_ms"] else None
     best = min(results, key=lambda r: r["total_ms"])
     fmt = harness.fmt
-    text = harness.table(
-        sorted(results, key=lambda r: r["total_ms"]),
-        {
-            "tile": lambda r: r["tile"],
-            "warps": lambda r: r["warps"],
-            "programs per SM": lambda r: r["programs_per_sm"],
-            "the step's row sums, ms": lambda r: fmt(r["total_ms"]),
-            "TB/s": lambda r: fmt(r["tb_per_s"], ".2f"),
-            "x ours": lambda r: fmt(r["vs_ours"], ".2f", "x") + (" (ours)" if r["ours"] else ""),
-        },
-    )
     rows = []
     for g, c in sorted(geometries.items(), key=lambda gc: -gc[0][0] * gc[0][1] * gc[1]):
         own = min(results, key=lambda r: r["per_sum_ms"][str(g)])
