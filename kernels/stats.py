@@ -392,6 +392,7 @@ class ReductionLaunch:
         self.kernel = kernel
         self.grid = grid
         block = meta[_BLOCK_KEY[kernel]]
+        tile = TILE if kernel is _sum_rows_kernel else _CHANNEL_TILE  # the finish's tile too
         self.kwargs = dict(
             sizes,
             n_splits=splits,
@@ -399,7 +400,7 @@ class ReductionLaunch:
             tail_value=0.0 if tail is None else float(tail[1]),
             SPLIT=splits > 1,
             TAIL=tail is not None,
-            BLOCK_S=min(_pow2(splits), max(1, TILE // block)),
+            BLOCK_S=min(_pow2(splits), max(1, tile // block)),
             **meta,
         )
         # a row sum's (rows, columns, row stride, square, tail), which the grouped launches
