@@ -381,6 +381,8 @@ class ReductionLaunch:
 
     With ``tail=(length, value)``, the launch also writes ``out[n : n + length]``: zeros,
     then ``value`` last (where a normalisation layer's sums keep their size entry).
+    ``tile`` is the elements its kernel loads at a time, which the program finishing a
+    split sum loads too.
     """
 
     __slots__ = (
@@ -388,11 +390,10 @@ class ReductionLaunch:
         "template", "at",
     )  # fmt: skip
 
-    def __init__(self, kernel, grid, sizes, meta, splits, n, device, tail):
+    def __init__(self, kernel, grid, sizes, meta, splits, n, device, tail, tile):
         self.kernel = kernel
         self.grid = grid
         block = meta[_BLOCK_KEY[kernel]]
-        tile = TILE if kernel is _sum_rows_kernel else _CHANNEL_TILE  # the finish's tile too
         self.kwargs = dict(
             sizes,
             n_splits=splits,
@@ -500,7 +501,7 @@ def rows_launch(
     args["rows_per_split"] = rows_per_split
     meta = {"SQUARE": square, "BLOCK_N": block_n, "BLOCK_D": block_d, "num_warps": num_warps}
     return ReductionLaunch(
-        _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail
+        _sum_rows_kernel, (col_blocks, splits), args, meta, splits, d, device, tail, tile
     )
 
 
@@ -529,8 +530,9 @@ def channels_launch(
         "num_warps": _CHANNEL_NUM_WARPS,
     }  # fmt: skip
     return ReductionLaunch(
-        _channel_sum_kernel, (chan_blocks, splits), args, meta, splits, c, device, tail
-    )
+        _channel_sum_kernel, (chan_blocks, splits), args, meta, splits, c, device, tail,
+        _CHANNEL_TILE,
+    )  # fmt: skip
 
 
 def reduction_launch(view: torch.Tensor, square: bool, tail=None) -> ReductionLaunch | None:
