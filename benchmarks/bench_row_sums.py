@@ -36,7 +36,7 @@ import itertools
 import math
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import bench_train_step as bench
@@ -128,22 +128,22 @@ def random_inputs(geometry: tuple, device: torch.device) -> list[torch.Tensor]:
     return inputs
 
 
-def device_ms(
-    launch: stats.ReductionLaunch, inputs: list, out: torch.Tensor, repeats: int
-) -> float:
-    """Milliseconds of one launch on the device: the median replay of a CUDA graph of
-    :data:`LAUNCHES` launches cycling over ``inputs``, over the launches."""
+def timed_ms(run: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """Median milliseconds of ``run``'s work: on CUDA, replays of a CUDA graph that
+    captured it (its host work not timed; ``run`` must have run once already, outside
+    the capture), else calls."""
+    if device.type != "cuda":
+        return statistics.median(harness.time_steps(run, device, warmup=1, steps=repeats))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(LAUNCHES):
-            launch(inputs[i % len(inputs)], out)
+        run()
     graph.replay()
-    times = harness.time_steps(graph.replay, out.device, warmup=1, steps=repeats)
-    return statistics.median(times) / LAUNCHES
+    return statistics.median(harness.time_steps(graph.replay, device, warmup=1, steps=repeats))
 
 
 def measure(geometry: tuple, inputs: list, setting: tuple[int, int, int], args: Any) -> float:
-    """Milliseconds of one launch of the row sum ``geometry`` at ``setting``, checked."""
+    """Milliseconds of one launch of the row sum ``geometry`` at ``setting``, checked: on
+    CUDA, over :data:`LAUNCHES` launches cycling over ``inputs``."""
     n_rows, n_cols, stride_row, _, square = geometry
     tile, warps, programs = setting
     out = torch.zeros(n_cols, device=args.device)
@@ -154,11 +154,13 @@ def measure(geometry: tuple, inputs: list, setting: tuple[int, int, int], args: 
     for x in inputs:  # compiles outside the capture, and checks every copy
         launch(x, out)
         check(out, x, square)
-    if args.device.type == "cuda":
-        return device_ms(launch, inputs, out, args.repeats)
-    x = inputs[0]
-    times = harness.time_steps(lambda: launch(x, out), args.device, warmup=1, steps=args.repeats)
-    return statistics.median(times)
+    count = LAUNCHES if args.device.type == "cuda" else 1
+
+    def launches() -> None:
+        for i in range(count):
+            launch(inputs[i % len(inputs)], out)
+
+    return timed_ms(launches, args.device, args.repeats) / count
 
 
 def rows_view(launch: stats.ReductionLaunch, x: torch.Tensor) -> torch.Tensor:
@@ -195,16 +197,7 @@ def measure_grouped(groups: list[list[tuple]], setting: tuple[int, int, int], ar
             for key, entries in launches:
                 grouped.launch_grouped(key, entries)
 
-        if args.device.type != "cuda":
-            return statistics.median(harness.time_steps(run, args.device, warmup=1, steps=2))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        graph.replay()
-        steps = args.repeats
-        return statistics.median(
-            harness.time_steps(graph.replay, args.device, warmup=1, steps=steps)
-        )
+        return timed_ms(run, args.device, args.repeats)
     finally:
         for name, value in zip(names, kept, strict=True):
             setattr(grouped, name, value)
