@@ -35,6 +35,7 @@ import bench_trainer as bench
 import harness
 import profile_refresh
 import torch
+from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -58,6 +59,8 @@ RANGES = SHARED + TRAINER_ONLY + (LOGGING,)
 LABELLED = (
     (torch.Tensor, "backward", "backward"),
     (torch.nn.utils, "clip_grad_norm_", "clip_grad_norm"),
+    # the Trainer's: Accelerate 1.16 clips without torch's clip_grad_norm_
+    (Accelerator, "clip_grad_norm_", "clip_grad_norm"),
     (torch.optim.lr_scheduler.LRScheduler, "step", "scheduler"),
     (AcceleratedOptimizer, "step", "optimizer step"),
     (AcceleratedOptimizer, "zero_grad", "zero_grad"),
@@ -76,12 +79,19 @@ def labelled() -> Iterator[None]:
     """Puts the methods of :data:`LABELLED` in profiler ranges (the loop's optimizer,
     a torch optimizer, is labelled by torch itself: ``Optimizer.step#AdamW.step``)."""
     saved = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in LABELLED]
+    running: set[str] = set()  # a labelled call inside one of the same label counts once
 
     def wrap(method: Callable, label: str) -> Callable:
         @functools.wraps(method)
         def call(*args: Any, **kwargs: Any) -> Any:
-            with record_function(label):
+            if label in running:
                 return method(*args, **kwargs)
+            running.add(label)
+            try:
+                with record_function(label):
+                    return method(*args, **kwargs)
+            finally:
+                running.discard(label)
 
         return call
 
