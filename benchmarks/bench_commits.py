@@ -14,6 +14,8 @@ without one, medians after warm-up. Usage, from the repository root::
 
     python benchmarks/bench_commits.py OLD NEW [--rounds 2] [--out DIR]
     python benchmarks/bench_commits.py HEAD~1 HEAD --smoke    # CPU, tiny sizes
+    git archive be74c85 hf_triaccel kernels > old.tar   # where the history is not copied
+    python benchmarks/bench_commits.py old.tar new.tar
 """
 
 from __future__ import annotations
@@ -31,13 +33,18 @@ VARIANTS = (("adamw", 0), ("adafisherw", 1), ("adafisherw", 10**9))  # (optimize
 
 
 def assemble(commit: str, into: Path) -> Path:
-    """The package of ``commit`` as an importable folder under ``into``."""
+    """The package of ``commit`` as an importable folder under ``into``: ``commit`` is
+    a git revision, or a tar file that ``git archive REV hf_triaccel kernels`` wrote (for
+    a machine that has the working tree but not its history)."""
     into.mkdir(parents=True)
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", commit, "hf_triaccel", "kernels"],
-        check=True,
-        capture_output=True,
-    ).stdout
+    if Path(commit).is_file():
+        archive = Path(commit).read_bytes()
+    else:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", commit, "hf_triaccel", "kernels"],
+            check=True,
+            capture_output=True,
+        ).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     (into / "kernels").rename(into / "hf_triaccel" / "kernels")
     return into
@@ -110,8 +117,8 @@ def measure(smoke: bool) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("old", help="the commit before the change")
-    parser.add_argument("new", help="the commit after it")
+    parser.add_argument("old", help="the commit before the change (or its git archive)")
+    parser.add_argument("new", help="the commit after it (or its git archive)")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the two")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
