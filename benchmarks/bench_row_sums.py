@@ -43,7 +43,8 @@ import bench_train_step as bench
 import harness
 import torch
 
-from hf_triaccel.kernels import grouped, stats
+from hf_triaccel.curvature import replay
+from hf_triaccel.kernels import grouped, sequence, stats
 
 OPTIONS = {
     "batch_size": (int, 4, None, "batch (default by --model)"),
@@ -77,24 +78,29 @@ def record_step(args: Any) -> tuple[Counter, list[list[tuple]]]:
             n_rows, n_cols, stride_row, square, _ = launch.rows
             seen[(n_rows, n_cols, stride_row, str(x.dtype).split(".")[-1], square)] += 1
 
-    single, together = stats.ReductionLaunch.__call__, grouped.launch_grouped
+    single, run = stats.ReductionLaunch.__call__, sequence.LaunchSequence.run
 
     def called(self, x, out, scale=1.0, accumulate=False):
         note(self, x)
         return single(self, x, out, scale, accumulate)
 
-    def grouped_called(key, entries):
-        for launch, x, *_ in entries:
-            note(launch, x)
-        groups.append(list(entries))
-        return together(key, entries)
+    def sequence_run(self, entries):
+        for plan, at in self.steps:
+            if plan is not None:  # the others are launched alone, through called()
+                groups.append([entries[i][:5] for i in at])
+                for i in at:
+                    note(*entries[i][:2])
+        return run(self, entries)
 
-    stats.ReductionLaunch.__call__, grouped.launch_grouped = called, grouped_called
+    stats.ReductionLaunch.__call__, sequence.LaunchSequence.run = called, sequence_run
+    capturable = replay.capturable
+    replay.capturable = lambda device: False  # eager: a capture would run the launches again
     try:
         step()
         harness.synchronize(args.device)
     finally:
-        stats.ReductionLaunch.__call__, grouped.launch_grouped = single, together
+        stats.ReductionLaunch.__call__, sequence.LaunchSequence.run = single, run
+        replay.capturable = capturable
     opt.collector.remove()
     return seen, groups
 

@@ -5,8 +5,11 @@ host time. While a :class:`StatisticsBatch` is active (:func:`activate`), the bu
 rules' row sums are queued instead of launched (:func:`queue_or_launch`), with what must
 follow them (a convolution's tap gather: :func:`gather_or_mm`, or any step: :func:`then`);
 :meth:`StatisticsBatch.flush` launches every queued reduction of one input dtype and block
-shape as one kernel (``hf_triaccel.kernels.grouped.launch_grouped``), then the gathers
-(``launch_gathers``), then what follows, in order.
+shape as one kernel (``hf_triaccel.kernels.grouped``), then the gathers, then what
+follows, in order. What a flush launches is worked out once per queue and kept
+(``hf_triaccel.kernels.sequence``); on CUDA it is captured as a CUDA graph once it
+repeated, and replayed as one launch while the inputs it reads stay where they are
+(:class:`~hf_triaccel.curvature.replay.Replay`).
 
 A collector keeps two (:class:`RefreshBatches`). The activation sums of layers whose
 forward keeps its input for the backward anyway (:meth:`FisherRule.input_saved`) wait
@@ -19,10 +22,13 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from hf_triaccel.curvature.replay import Replay
 
 # Gradients held, per parameter of the hooked layers: half of what AdaFisher saves against
 # AdamW (one float32 state per parameter instead of two), so that the peak memory of a
@@ -32,6 +38,10 @@ GRADIENT_BYTES_PER_PARAMETER = 2
 # The batch the running hook queues into, per thread: the autograd engine may run the
 # hooks of two devices' backwards at once.
 _ACTIVE = threading.local()
+# Launch sequences a batch keeps, with their graphs: a refresh step flushes the gradient
+# batch a few times per budget's worth of gradients (hundreds for hundreds of layers);
+# inputs whose shapes keep changing must not pile them up.
+MAX_SEQUENCES = 256
 
 
 class StatisticsBatch:
@@ -50,7 +60,7 @@ class StatisticsBatch:
         tensor([1.])
     """
 
-    __slots__ = ("entries", "gathers", "after", "outs", "nbytes", "budget")
+    __slots__ = ("entries", "gathers", "after", "outs", "nbytes", "budget", "sequences")
 
     def __init__(self, budget: float = float("inf")) -> None:
         self.budget = budget  # bytes of inputs held; past it they are launched
@@ -59,6 +69,8 @@ class StatisticsBatch:
         self.after: list[tuple[Callable[..., Any], tuple]] = []
         self.outs: set[int] = set()
         self.nbytes = 0
+        # per queue flushed: its launch sequence and the replay of its launches
+        self.sequences: OrderedDict[tuple, tuple[Any, Replay]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.entries) + len(self.gathers) + len(self.after)
@@ -67,10 +79,8 @@ class StatisticsBatch:
         self, launch: Any, x: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool
     ) -> None:
         """Queues ``launch(x, out, scale, accumulate)``, or launches it now when no grouped
-        kernel takes it or ``x`` alone is over the budget. A second reduction into the same
-        output flushes the first."""
-        size = x.nbytes
-        key = None if size > self.budget and not self.entries else _grouped().group_key(launch, x)
+        kernel takes it. A second reduction into the same output flushes the first."""
+        key = _grouped().group_key(launch, x)
         if key is None:
             launch(x, out, scale, accumulate)
             return
@@ -79,7 +89,7 @@ class StatisticsBatch:
             self.flush()
         self.outs.add(ptr)
         self.entries.append((launch, x, out, scale, accumulate, key))
-        self.nbytes += size
+        self.nbytes += x.nbytes
 
     def gather(self, sums: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> None:
         """Queues ``torch.mm(sums, taps, out=out)`` (a convolution's tap gather), launched
@@ -94,24 +104,17 @@ class StatisticsBatch:
         """Launches the queued reductions, grouped, then the gathers, then what follows."""
         entries, gathers, after = self.entries, self.gathers, self.after
         self.clear()
-        if entries:
-            launch_grouped = _grouped().launch_grouped
-            groups: dict[tuple, list[tuple]] = {}
-            for entry in entries:
-                groups.setdefault(entry[5], []).append(entry[:5])
-            for key, group in groups.items():
-                if len(group) == 1:  # its own launch needs no tables
-                    launch, *args = group[0]
-                    launch(*args)
-                else:
-                    launch_grouped(key, group)
-        if gathers:
-            grouped = _grouped()
-            by_width: dict[int, list[tuple]] = {}
-            for entry in gathers:
-                by_width.setdefault(grouped.gather_key(entry[1]), []).append(entry)
-            for width, group in by_width.items():
-                grouped.launch_gathers(width, group)
+        if entries or gathers:
+            launches = _sequence().LaunchSequence
+            key = launches.key(entries, gathers)
+            kept = self.sequences.get(key)
+            if kept is None:
+                if len(self.sequences) >= MAX_SEQUENCES:
+                    self.sequences.popitem(last=False)
+                sequence = launches(entries, gathers)
+                kept = self.sequences[key] = (sequence, Replay(sequence.device))
+            sequence, replay = kept
+            replay(sequence.prepare(entries), lambda: sequence.run(entries))
         for fn, args in after:
             fn(*args)
 
@@ -127,6 +130,14 @@ def _grouped() -> Any:
     from hf_triaccel.kernels import grouped
 
     return grouped
+
+
+@functools.cache
+def _sequence() -> Any:
+    """The launch sequences' module, imported at the first flush."""
+    from hf_triaccel.kernels import sequence
+
+    return sequence
 
 
 def activate(batch: StatisticsBatch | None) -> StatisticsBatch | None:
@@ -170,8 +181,9 @@ def then(fn: Callable[..., Any], *args: Any) -> None:
 
 class RefreshBatches:
     """A collector's two batches: activation sums, launched when the backward starts;
-    gradient sums, launched before the gradients they hold pass ``budget`` bytes, and
-    when the backward ends."""
+    gradient sums, launched once the gradients they hold pass ``budget`` bytes (each
+    gradient hook flushes what it pushed over: one that is over alone waits for nothing),
+    and when the backward ends."""
 
     __slots__ = ("activations", "gradients", "task")
 

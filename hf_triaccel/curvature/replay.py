@@ -1,4 +1,4 @@
-"""A refresh's finish and fold, replayed as one CUDA graph.
+"""A refresh's fixed pieces of device work, replayed as CUDA graphs.
 
 A refresh ends with the finish of every layer's statistics and their fold into the
 factors (:class:`~hf_triaccel.curvature.finish.FinishPlan`,
@@ -8,7 +8,13 @@ tensors that stay where they are, and their arguments (the step's counts, the de
 the rules) rarely change, so on CUDA, once the same finish and fold has run eagerly on
 two refreshes in a row, it is captured as a CUDA graph and later refreshes with the same
 arguments replay it: one launch. Capturing runs nothing, so the refresh that captures
-has already run eagerly.
+has already run eagerly. The statistics' launches in the backward replay the same way
+(:mod:`~hf_triaccel.curvature.batching`).
+
+A capture neither synchronises the device nor empties PyTorch's cache of device memory
+(as ``torch.cuda.graph`` does): it comes in the middle of a training step, where either
+would cost the step, and emptying the cache would move the next step's tensors, whose
+addresses some of the graphs are keyed on.
 
 Nothing is captured while another capture runs (a graph of the whole training step),
 while ``torch.compile`` traces, or off CUDA.
@@ -53,12 +59,13 @@ class Replay:
         tensor([3.])
     """
 
-    __slots__ = ("device", "graphs", "previous")
+    __slots__ = ("device", "graphs", "previous", "stream")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.previous: Hashable = None
+        self.stream: torch.cuda.Stream | None = None  # where captures run (not the default)
 
     def __call__(self, key: Hashable, run: Callable[[], object]) -> None:
         graph = self.graphs.get(key)
@@ -70,10 +77,20 @@ class Replay:
         if key == self.previous and capturable(self.device):
             if len(self.graphs) >= _MAX_GRAPHS:
                 del self.graphs[next(iter(self.graphs))]
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a data loader's thread may use CUDA meanwhile
-            capture = torch.cuda.graph(graph, capture_error_mode="thread_local")
-            with torch.cuda.device(self.device), capture:
-                run()
-            self.graphs[key] = graph
+            self.graphs[key] = self._capture(run)
         self.previous = key
+
+    def _capture(self, run: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        """``run``'s device work as a graph (recorded on a stream of its own, not run)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device):
+            if self.stream is None:
+                self.stream = torch.cuda.Stream()
+            with torch.cuda.stream(self.stream):
+                # thread_local: a data loader's thread may use CUDA meanwhile
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    run()
+                finally:
+                    graph.capture_end()
+        return graph

@@ -1,5 +1,6 @@
-"""The finish and fold replayed as a CUDA graph: when it captures, what it replays, and
-that a collector folding through graphs ends with the factors of one folding eagerly."""
+"""The finish and fold, and the statistics' flushes, replayed as CUDA graphs: when it
+captures, what it replays, and that a collector gathering and folding through graphs
+ends with the factors of one doing it eagerly, also when the step's tensors move."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hf_triaccel.curvature import replay as replay_module
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.replay import Replay, capturable
 
+LaunchSequence = pytest.importorskip("hf_triaccel.kernels.sequence").LaunchSequence
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -65,12 +67,19 @@ def test_no_capture_inside_another_capture():
     assert out.item() == 2.0
 
 
-def refreshes(model: nn.Module, collector: FisherCollector, steps: int) -> None:
+def refreshes(model: nn.Module, collector: FisherCollector, steps: int, move: bool = False):
+    """``steps`` refreshes on random batches; ``move``: a tensor kept between steps, of
+    another size each step, so that the step's tensors land at other addresses."""
     torch.manual_seed(1)
-    for _ in range(steps):
+    kept = []
+    for step in range(steps):
+        if move:
+            kept.append(torch.empty(4096 * (step + 1) + 17, device="cuda"))
         x = torch.randn(16, 3, 8, 8, device="cuda")
         y = torch.randint(0, 4, (16,), device="cuda")
-        F.cross_entropy(model(x), y).backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
         collector.fold(gamma=0.8)
 
 
@@ -90,6 +99,47 @@ def test_collector_through_graphs_equals_eager(ema, monkeypatch):
         refreshes(copies[1], collectors[1], 5)
     plans = next(iter(collectors[0]._fold_cache[1].values()))
     assert plans[0].replay.graphs, "the fold was never captured"
+    for name, layer in collectors[0].layers.items():
+        other = collectors[1].layers[name]
+        for mine, theirs in zip(layer.tensors()[:4], other.tensors()[:4], strict=True):
+            assert torch.equal(mine, theirs), name
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("move", [False, True])
+def test_statistics_through_graphs_equal_eager(move, monkeypatch):
+    """Every gradient flushed alone (the budget at 0) and the activations together: the
+    flushes replayed as graphs, keyed on the single reductions' addresses, give the
+    factors of eager flushes, bit for bit; with ``move`` the addresses change."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 1),
+        nn.Flatten(), nn.Linear(512, 4),
+    ).cuda().to(memory_format=torch.channels_last)  # fmt: skip
+    copies = [model, copy.deepcopy(model)]
+    collectors = [FisherCollector(m, impl="triton") for m in copies]
+    for collector in collectors:
+        collector.batches.gradients.budget = 0
+    keys: dict[int, set] = {}  # per sequence: what its graphs were keyed on
+    prepare = LaunchSequence.prepare
+
+    def noted(sequence, entries):
+        key = prepare(sequence, entries)
+        keys.setdefault(id(sequence), set()).add(key)
+        return key
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LaunchSequence, "prepare", noted)
+        refreshes(copies[0], collectors[0], 6, move)
+    batches = collectors[0].batches
+    kept = [*batches.activations.sequences.values(), *batches.gradients.sequences.values()]
+    assert any(replay.graphs for _, replay in kept), "no flush was captured"
+    if move:  # a sequence saw its single reductions at other addresses
+        assert max(len(seen) for seen in keys.values()) > 1
+    with monkeypatch.context() as patch:
+        patch.setattr(replay_module, "capturable", lambda device: False)
+        refreshes(copies[1], collectors[1], 6, move)
     for name, layer in collectors[0].layers.items():
         other = collectors[1].layers[name]
         for mine, theirs in zip(layer.tensors()[:4], other.tensors()[:4], strict=True):
