@@ -26,8 +26,11 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-# graphs kept per plan: the usual step and, say, an epoch's last, smaller batch
-_MAX_GRAPHS = 2
+# Keys remembered, and graphs kept, per replay: the usual step and, say, an epoch's last,
+# smaller batch; or the few sets of addresses that the caching allocator gives a step's
+# tensors in turn. A key seen among the last RECENT is captured; keys that never come
+# back are never captured.
+_MAX_GRAPHS = _RECENT = 4
 
 
 def capturable(device: torch.device) -> bool:
@@ -46,8 +49,8 @@ class Replay:
     """Runs a fixed piece of device work, eagerly or as a CUDA graph it captured.
 
     ``replay(key, run)`` runs ``run()``, whose device work may depend on ``key`` only
-    (and on tensors that stay where they are). When ``key`` is the one of the previous
-    call and the device allows it, the work is captured after it ran; later calls with
+    (and on tensors that stay where they are). When ``key`` is one of the last few
+    calls' and the device allows it, the work is captured after it ran; later calls with
     that key replay the graph instead of calling ``run``.
 
     Example:
@@ -59,12 +62,12 @@ class Replay:
         tensor([3.])
     """
 
-    __slots__ = ("device", "graphs", "previous", "stream")
+    __slots__ = ("device", "graphs", "recent", "stream")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
-        self.previous: Hashable = None
+        self.recent: tuple[Hashable, ...] = ()  # the last calls' keys, newest last
         self.stream: torch.cuda.Stream | None = None  # where captures run (not the default)
 
     def __call__(self, key: Hashable, run: Callable[[], object]) -> None:
@@ -74,11 +77,11 @@ class Replay:
                 graph.replay()
             return
         run()
-        if key == self.previous and capturable(self.device):
+        if key in self.recent and capturable(self.device):
             if len(self.graphs) >= _MAX_GRAPHS:
                 del self.graphs[next(iter(self.graphs))]
             self.graphs[key] = self._capture(run)
-        self.previous = key
+        self.recent = (*self.recent[1 - _RECENT :], key)
 
     def _capture(self, run: Callable[[], object]) -> torch.cuda.CUDAGraph:
         """``run``'s device work as a graph (recorded on a stream of its own, not run)."""

@@ -53,6 +53,22 @@ def test_captures_on_the_second_same_key_and_replays_after():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_keys_taking_turns_are_captured_too():
+    """Addresses that alternate from step to step (a caching allocator's two sets)."""
+    device = torch.device("cuda")
+    replay, out, calls = Replay(device), torch.zeros(1, device=device), []
+    for key in "abababcdefa":
+        replay(key, counting_run(out, calls, key))
+    # a, b: eager; a, b: eager, then captured; a, b: replayed; c..f: eager, new keys; a:
+    # replayed (four graphs kept, none of the new keys captured)
+    assert calls == ["a", "b", "a", "a", "b", "b", *"cdef"]
+    assert sorted(replay.graphs) == ["a", "b"]
+    torch.cuda.synchronize()
+    assert out.item() == 4 * 1.0 + 7 * 10.0  # each key applied once per call
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_no_capture_inside_another_capture():
     device = torch.device("cuda")
     replay, out, calls = Replay(device), torch.zeros(1, device=device), []
