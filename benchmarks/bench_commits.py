@@ -1,9 +1,10 @@
-"""Step times of this package at two commits, in one call: does a change slow it down?
+"""Step times of this package at two commits (or more), in one call: does a change slow
+it down?
 
 For a restructuring that must not change speed. Each commit's package is assembled in a
 scratch folder (``hf_triaccel/`` with ``kernels/`` as ``hf_triaccel.kernels``, as
-pyproject.toml installs it) and timed in its own process, the commits alternating
-``--rounds`` times so that drift of the GPU's clocks falls on both. This script uses only
+pyproject.toml installs it) and timed in its own process, the commits taking turns
+``--rounds`` times so that drift of the GPU's clocks falls on all. This script uses only
 what every version of the package has (``AdaFisherW.from_model``) and none of the
 harness, which imports the current package's modules.
 
@@ -12,7 +13,7 @@ batch 512) training step (zero_grad + forward + backward + step) and the optimiz
 alone, for AdamW(fused), AdaFisherW with a Fisher refresh every step, and AdaFisherW
 without one, medians after warm-up. Usage, from the repository root::
 
-    python benchmarks/bench_commits.py OLD NEW [--rounds 2] [--out DIR]
+    python benchmarks/bench_commits.py OLD NEW [MORE...] [--rounds 2] [--out DIR]
     python benchmarks/bench_commits.py HEAD~1 HEAD --smoke    # CPU, tiny sizes
     git archive be74c85 hf_triaccel kernels > old.tar   # where the history is not copied
     python benchmarks/bench_commits.py old.tar new.tar
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,25 +117,51 @@ def measure(smoke: bool) -> list[dict]:
     return [variant(name, update_every) for name, update_every in VARIANTS]
 
 
+def summary(records: list[dict]) -> str:
+    """Per commit and variant, the median over rounds of the training step, and of its
+    ratio to AdamW's step in the same process (the host's speed drifts between them)."""
+    adamw = {
+        (r["commit"], r["round"]): r["train_step_ms"] for r in records if r["optimizer"] == "adamw"
+    }
+    rows: dict[tuple, list[tuple[float, float]]] = {}
+    for r in records:
+        ratio = r["train_step_ms"] / adamw[r["commit"], r["round"]]
+        rows.setdefault((r["commit"], r["optimizer"], r["update_every"]), []).append(
+            (r["train_step_ms"], ratio)
+        )
+    lines = ["| commit | optimizer | update_every | train step ms, median | x AdamW, median |"]
+    lines.append("|---|---|---|---|---|")
+    for (commit, optimizer, every), values in rows.items():
+        ms, ratios = zip(*values, strict=True)
+        lines.append(
+            f"| {commit} | {optimizer} | {every} | {statistics.median(ms):.2f} | "
+            f"{statistics.median(ratios):.3f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("old", help="the commit before the change (or its git archive)")
-    parser.add_argument("new", help="the commit after it (or its git archive)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of the two")
+    parser.add_argument(
+        "commits", nargs="+", metavar="COMMIT", help="OLD NEW [MORE...]: revisions or archives"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="turns of every commit")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if len(args.commits) < 2 and not args.child:
+        parser.error("give at least two commits")
     if args.child:
         print(json.dumps(measure(args.smoke)))
         return 0
     records = []
     with tempfile.TemporaryDirectory() as scratch:
-        trees = {c: assemble(c, Path(scratch) / str(i)) for i, c in enumerate((args.old, args.new))}
+        trees = {c: assemble(c, Path(scratch) / str(i)) for i, c in enumerate(args.commits)}
         for round_ in range(args.rounds):
             for commit, tree in trees.items():
                 env = {**os.environ, "PYTHONPATH": str(tree)}
-                command = [sys.executable, __file__, commit, commit, "--child"]
+                command = [sys.executable, __file__, commit, "--child"]
                 command += ["--smoke"] if args.smoke else []
                 done = subprocess.run(command, env=env, capture_output=True, text=True)
                 if done.returncode:
@@ -148,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['commit']} | {r['optimizer']} | {r['update_every']} | "
             f"{r['train_step_ms']:.2f} | {r['optimizer_step_ms']:.3f} |"
         )
+    print(summary(records))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_commits.json").write_text(json.dumps(records, indent=1))
     return 0

@@ -69,6 +69,11 @@ class LaunchSequence:
         # the objects whose ids make the key, kept so that the ids stay theirs
         self.kept = ([entry[0] for entry in entries], list(gathers))
 
+    @property
+    def kernels(self) -> int:
+        """The kernels :meth:`run` launches."""
+        return len(self.steps) + len(self.gathers)
+
     @staticmethod
     def key(entries: Sequence[Entry], gathers: Sequence[Gather]) -> tuple:
         """What identifies a queue's sequence: its launches and group keys in order, and

@@ -523,9 +523,9 @@ def test_fast_defaults_long_script_smoke(tmp_path):
 
 
 def test_bench_commits_smoke(tmp_path):
-    """Two commits' packages (here HEAD given as a revision and as its git archive, the
-    form for a machine without the history), each assembled and timed in its own
-    process, rows for every variant of each."""
+    """Three commits' packages (here HEAD given as a revision, as its hash and as its git
+    archive, the form for a machine without the history), each assembled and timed in its
+    own process: rows for every variant of each, and the summary of their medians."""
     archive = tmp_path / "head.tar"
     with archive.open("wb") as f:
         subprocess.run(
@@ -533,8 +533,15 @@ def test_bench_commits_smoke(tmp_path):
             stdout=f,
             check=True,
         )
+    head = subprocess.run(
+        ["git", "-C", str(BENCHMARKS), "rev-parse", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    commits = [str(archive), "HEAD", head]
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_commits.py"), str(archive), "HEAD", "--smoke"]
+        [sys.executable, str(BENCHMARKS / "bench_commits.py"), *commits, "--smoke"]
         + ["--rounds", "1", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
@@ -542,14 +549,19 @@ def test_bench_commits_smoke(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "bench_commits.json").read_text())
-    assert [r["commit"] for r in rows] == [str(archive)] * 3 + ["HEAD"] * 3
+    assert [r["commit"] for r in rows] == [c for c in commits for _ in range(3)]
     assert {(r["optimizer"], r["update_every"]) for r in rows} == {
         ("adamw", 0),
         ("adafisherw", 1),
         ("adafisherw", 10**9),
     }
     assert all(r["train_step_ms"] > 0 and r["optimizer_step_ms"] > 0 for r in rows)
-    assert done.stdout.count("\n| ") == len(rows)  # under the header and its rule, a line a row
+    summary = done.stdout[
+        done.stdout.index("| commit | optimizer | update_every | train step ms,") :
+    ]
+    assert summary.count("\n| ") == len(rows)  # one round: a median a row
+    assert all(f"| {c} | adamw | 0 |" in summary for c in commits)
+    assert summary.count(" 1.000x |") >= len(commits)  # AdamW against itself
 
 
 def test_equal_epochs_smoke_appends_resumes_and_summarises(bench, tmp_path, capsys):

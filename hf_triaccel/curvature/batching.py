@@ -79,8 +79,10 @@ class StatisticsBatch:
         self, launch: Any, x: torch.Tensor, out: torch.Tensor, scale: float, accumulate: bool
     ) -> None:
         """Queues ``launch(x, out, scale, accumulate)``, or launches it now when no grouped
-        kernel takes it. A second reduction into the same output flushes the first."""
-        key = _grouped().group_key(launch, x)
+        kernel takes it or ``x`` alone is over the budget. A second reduction into the same
+        output flushes the first."""
+        size = x.nbytes
+        key = None if size > self.budget and not self.entries else _grouped().group_key(launch, x)
         if key is None:
             launch(x, out, scale, accumulate)
             return
@@ -89,7 +91,7 @@ class StatisticsBatch:
             self.flush()
         self.outs.add(ptr)
         self.entries.append((launch, x, out, scale, accumulate, key))
-        self.nbytes += x.nbytes
+        self.nbytes += size
 
     def gather(self, sums: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> None:
         """Queues ``torch.mm(sums, taps, out=out)`` (a convolution's tap gather), launched
@@ -104,19 +106,31 @@ class StatisticsBatch:
         """Launches the queued reductions, grouped, then the gathers, then what follows."""
         entries, gathers, after = self.entries, self.gathers, self.after
         self.clear()
-        if entries or gathers:
-            launches = _sequence().LaunchSequence
-            key = launches.key(entries, gathers)
-            kept = self.sequences.get(key)
-            if kept is None:
-                if len(self.sequences) >= MAX_SEQUENCES:
-                    self.sequences.popitem(last=False)
-                sequence = launches(entries, gathers)
-                kept = self.sequences[key] = (sequence, Replay(sequence.device))
-            sequence, replay = kept
-            replay(sequence.prepare(entries), lambda: sequence.run(entries))
+        if len(entries) == 1 and not gathers:  # one launch: nothing to work out
+            launch, *args, _ = entries[0]
+            launch(*args)
+        elif entries or gathers:
+            self._launch(entries, gathers)
         for fn, args in after:
             fn(*args)
+
+    def _launch(self, entries: list[tuple], gathers: list[tuple]) -> None:
+        """Launches a queue through its kept sequence: replayed as one CUDA graph when it
+        launches several kernels (a graph's replay costs about one launch's host time)."""
+        launches = _sequence().LaunchSequence
+        key = launches.key(entries, gathers)
+        kept = self.sequences.get(key)
+        if kept is None:
+            if len(self.sequences) >= MAX_SEQUENCES:
+                self.sequences.popitem(last=False)
+            sequence = launches(entries, gathers)
+            kept = self.sequences[key] = (sequence, Replay(sequence.device))
+        sequence, replay = kept
+        taken = sequence.prepare(entries)
+        if sequence.kernels > 1:
+            replay(taken, lambda: sequence.run(entries))
+        else:
+            sequence.run(entries)
 
     def clear(self) -> None:
         """Forgets what is queued."""
@@ -181,9 +195,8 @@ def then(fn: Callable[..., Any], *args: Any) -> None:
 
 class RefreshBatches:
     """A collector's two batches: activation sums, launched when the backward starts;
-    gradient sums, launched once the gradients they hold pass ``budget`` bytes (each
-    gradient hook flushes what it pushed over: one that is over alone waits for nothing),
-    and when the backward ends."""
+    gradient sums, launched before the gradients they hold pass ``budget`` bytes, and
+    when the backward ends."""
 
     __slots__ = ("activations", "gradients", "task")
 
