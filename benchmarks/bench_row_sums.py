@@ -43,8 +43,7 @@ import bench_train_step as bench
 import harness
 import torch
 
-from hf_triaccel.curvature import replay
-from hf_triaccel.kernels import grouped, sequence, stats
+from hf_triaccel.kernels import grouped, stats
 
 OPTIONS = {
     "batch_size": (int, 4, None, "batch (default by --model)"),
@@ -78,29 +77,24 @@ def record_step(args: Any) -> tuple[Counter, list[list[tuple]]]:
             n_rows, n_cols, stride_row, square, _ = launch.rows
             seen[(n_rows, n_cols, stride_row, str(x.dtype).split(".")[-1], square)] += 1
 
-    single, run = stats.ReductionLaunch.__call__, sequence.LaunchSequence.run
+    single, together = stats.ReductionLaunch.__call__, grouped.launch_grouped
 
     def called(self, x, out, scale=1.0, accumulate=False):
         note(self, x)
         return single(self, x, out, scale, accumulate)
 
-    def sequence_run(self, entries):
-        for plan, at in self.steps:
-            if plan is not None:  # the others are launched alone, through called()
-                groups.append([entries[i][:5] for i in at])
-                for i in at:
-                    note(*entries[i][:2])
-        return run(self, entries)
+    def grouped_called(key, entries):
+        for launch, x, *_ in entries:
+            note(launch, x)
+        groups.append(list(entries))
+        return together(key, entries)
 
-    stats.ReductionLaunch.__call__, sequence.LaunchSequence.run = called, sequence_run
-    capturable = replay.capturable
-    replay.capturable = lambda device: False  # eager: a capture would run the launches again
+    stats.ReductionLaunch.__call__, grouped.launch_grouped = called, grouped_called
     try:
         step()
         harness.synchronize(args.device)
     finally:
-        stats.ReductionLaunch.__call__, sequence.LaunchSequence.run = single, run
-        replay.capturable = capturable
+        stats.ReductionLaunch.__call__, grouped.launch_grouped = single, together
     opt.collector.remove()
     return seen, groups
 

@@ -12,13 +12,11 @@ reproducible from run to run.
 
 The tables: the geometry of each input and the program-to-work map are worked out once
 per sequence of reductions and kept with their tickets; what changes from call to call
-(the addresses, the accumulation flag, the scale) is one small host-to-device copy into
-tables that stay where they are, skipped when nothing changed
-(:func:`group_plan`).
+(the addresses, the accumulation flag, the scale) is one small host-to-device copy,
+skipped when nothing changed.
 
-:func:`gathers_launch` does the same for the convolutions' tap gathers that follow their
+:func:`launch_gathers` does the same for the convolutions' tap gathers that follow their
 reductions: one kernel per selector width computes every queued ``sums @ taps``.
-:mod:`~hf_triaccel.kernels.sequence` puts a flush's launches together.
 """
 
 from __future__ import annotations
@@ -43,16 +41,19 @@ from hf_triaccel.kernels.stats import (
     write_tail,
 )
 
-# The grouped kernel's own settings (it compiles both loops and reads tables): the fastest
-# on a CIFAR ResNet-18's and EfficientNet-B0's refresh on an H200 (bench_row_sums.py
-# --grouped; the single kernel's tile ran at half speed). Plans keep theirs (forget_plans).
+# The grouped kernel's settings, its own (it compiles both loops, sums and sums of
+# squares, and reads its tables): the fastest on the grouped launches of a CIFAR
+# ResNet-18's and EfficientNet-B0's refresh on an H200 (benchmarks/bench_row_sums.py
+# --grouped), where the single kernel's larger tile ran at half their speed. A plan is cut
+# with the settings of when it was made (forget_plans).
 TILE = 4096
 NUM_WARPS = 8
 PROGRAMS_PER_SM = 2
 
-# Sequences of reductions whose tables are kept: a refresh step flushes one per group and
-# flush (hundreds, for hundreds of layers launched a few at a time); building the tables
-# again costs copies, and layers taking turns or changing shapes must not pile them up.
+# Sequences of reductions whose tables are kept: every flush of a refresh step is one (a
+# model of hundreds of layers whose gradients are launched a few at a time has hundreds),
+# and building the tables again costs their copies; a model whose layers take turns, or
+# inputs whose shapes change, must not pile them up either.
 _MAX_PLANS = 1024
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Per task, the static table holds (int64): rows, columns, row stride, rows per split,
@@ -185,7 +186,8 @@ def _grouped_gather_kernel(
     tl.store(out_ptr + chans[:, None] * n_k + taps[None, :], acc, mask=o_mask)
 
 
-_GATHER_BLOCK_C = _GATHER_BLOCK_P = 32
+_GATHER_BLOCK_C = 32
+_GATHER_BLOCK_P = 32
 
 
 def gather_key(taps: torch.Tensor) -> int:
@@ -194,14 +196,13 @@ def gather_key(taps: torch.Tensor) -> int:
     return max(16, 1 << (taps.shape[1] - 1).bit_length())
 
 
-def gathers_launch(
+def launch_gathers(
     block_k: int, entries: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-) -> _Launch:
-    """The launch of ``torch.mm(sums, taps, out=out)`` for every entry (sums, taps, out),
-    all of :func:`gather_key` ``block_k``, as one kernel; call it to launch. ``sums`` is
-    a float32 (C, P) view, ``taps`` a float32 (P, K) selector (both read through their
-    strides), ``out`` a contiguous float32 (C, K) tensor that no entry reads. Kept per
-    table: the addresses are its key, and the table holds nothing that changes."""
+) -> None:
+    """``torch.mm(sums, taps, out=out)`` for every entry (sums, taps, out), all of
+    :func:`gather_key` ``block_k``, as one kernel. ``sums`` is a float32 (C, P) view,
+    ``taps`` a float32 (P, K) selector (both read through their strides), ``out`` a
+    contiguous float32 (C, K) tensor that no entry reads."""
     device = entries[0][0].device
     table = []
     for sums, taps, out in entries:
@@ -217,6 +218,7 @@ def gathers_launch(
             for task, (sums, _, _) in enumerate(entries)
             for b in range(-(-sums.shape[0] // _GATHER_BLOCK_C))
         ]
+        # the addresses are the key: the tables hold nothing that changes
         plan = _PLANS[key] = _Launch(
             _grouped_gather_kernel,
             (len(tiles),),
@@ -230,7 +232,7 @@ def gathers_launch(
             num_warps=4,
             device=device,
         )
-    return plan
+    plan()
 
 
 class _Launch:
@@ -268,7 +270,7 @@ class _Launch:
 @functools.lru_cache(maxsize=64)
 def _bits(value: float) -> int:
     """The float64 bits of ``value`` as an int64 (how the tables carry floats)."""
-    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+    return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
 def group_key(launch: ReductionLaunch, x: torch.Tensor) -> tuple | None:
@@ -316,8 +318,7 @@ class _GroupPlan:
         if self.part_len <= KEPT_PARTIALS:
             self.part = torch.empty(self.part_len, dtype=torch.float32, device=device)
         self.last: list[int] | None = None
-        # written in place: a CUDA graph of the launch reads what write() wrote last
-        self.dynamic = torch.empty(4 * len(launches), dtype=torch.int64, device=device)
+        self.dynamic: torch.Tensor | None = None
         self.launch = _Launch(
             _grouped_rows_kernel,
             (len(tiles),),
@@ -335,36 +336,6 @@ class _GroupPlan:
             num_warps=NUM_WARPS,
             device=device,
         )
-
-    def write(self, entries: Sequence[tuple]) -> None:
-        """Writes the addresses, accumulation flags and scales of ``entries`` (launch, x,
-        out, scale, accumulate, ...) into the dynamic table, where they changed (a copy
-        queued behind the launches that read the table before)."""
-        dynamic = []
-        for entry in entries:
-            dynamic += (entry[1].data_ptr(), entry[2].data_ptr(), int(entry[4]), _bits(entry[3]))
-        if dynamic != self.last:
-            host = torch.tensor(dynamic, dtype=torch.int64, pin_memory=self.dynamic.is_cuda)
-            self.dynamic.copy_(host, non_blocking=True)  # pinned: waits for nothing
-            self.last = dynamic
-
-    def __call__(self) -> None:
-        """Launches the kernel on the tables as last written."""
-        part = self.part
-        if part is None:  # large: allocated per launch
-            part = torch.empty(self.part_len, dtype=torch.float32, device=self.dynamic.device)
-        self.launch(dynamic_ptr=self.dynamic, part_ptr=part)
-
-
-def group_plan(key: tuple, launches: Sequence[ReductionLaunch], device: torch.device) -> _GroupPlan:
-    """The kept plan of ``launches`` (all of group ``key``) on ``device``."""
-    plan_key = (key, device, tuple([id(launch) for launch in launches]))
-    plan = _PLANS.get(plan_key)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.popitem(last=False)
-        plan = _PLANS[plan_key] = _GroupPlan(key, launches, device)
-    return plan
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -395,6 +366,20 @@ def launch_grouped(
     must be laid out as its launch expects. Launches of one sequence share tickets, so
     they must run in order (one stream), as a :class:`ReductionLaunch`'s do.
     """
-    plan = group_plan(key, [entry[0] for entry in entries], entries[0][1].device)
-    plan.write(entries)
-    plan()
+    device = entries[0][1].device
+    plan_key = (key, device, tuple([id(e[0]) for e in entries]))
+    plan = _PLANS.get(plan_key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.popitem(last=False)
+        plan = _PLANS[plan_key] = _GroupPlan(key, [e[0] for e in entries], device)
+    dynamic = []
+    for _, x, out, scale, accumulate in entries:
+        dynamic += (x.data_ptr(), out.data_ptr(), int(accumulate), _bits(float(scale)))
+    if dynamic != plan.last:
+        plan.dynamic = _to_device(dynamic, torch.int64, device)
+        plan.last = dynamic
+    part = plan.part
+    if part is None:  # large: allocated per launch
+        part = torch.empty(plan.part_len, dtype=torch.float32, device=device)
+    plan.launch(dynamic_ptr=plan.dynamic, part_ptr=part)

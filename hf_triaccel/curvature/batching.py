@@ -5,11 +5,8 @@ host time. While a :class:`StatisticsBatch` is active (:func:`activate`), the bu
 rules' row sums are queued instead of launched (:func:`queue_or_launch`), with what must
 follow them (a convolution's tap gather: :func:`gather_or_mm`, or any step: :func:`then`);
 :meth:`StatisticsBatch.flush` launches every queued reduction of one input dtype and block
-shape as one kernel (``hf_triaccel.kernels.grouped``), then the gathers, then what
-follows, in order. What a flush launches is worked out once per queue and kept
-(``hf_triaccel.kernels.sequence``); on CUDA it is captured as a CUDA graph once it
-repeated, and replayed as one launch while the inputs it reads stay where they are
-(:class:`~hf_triaccel.curvature.replay.Replay`).
+shape as one kernel (``hf_triaccel.kernels.grouped.launch_grouped``), then the gathers
+(``launch_gathers``), then what follows, in order.
 
 A collector keeps two (:class:`RefreshBatches`). The activation sums of layers whose
 forward keeps its input for the backward anyway (:meth:`FisherRule.input_saved`) wait
@@ -22,13 +19,10 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from hf_triaccel.curvature.replay import Replay
 
 # Gradients held, per parameter of the hooked layers: half of what AdaFisher saves against
 # AdamW (one float32 state per parameter instead of two), so that the peak memory of a
@@ -38,10 +32,6 @@ GRADIENT_BYTES_PER_PARAMETER = 2
 # The batch the running hook queues into, per thread: the autograd engine may run the
 # hooks of two devices' backwards at once.
 _ACTIVE = threading.local()
-# Launch sequences a batch keeps, with their graphs: a refresh step flushes the gradient
-# batch a few times per budget's worth of gradients (hundreds for hundreds of layers);
-# inputs whose shapes keep changing must not pile them up.
-MAX_SEQUENCES = 256
 
 
 class StatisticsBatch:
@@ -60,7 +50,7 @@ class StatisticsBatch:
         tensor([1.])
     """
 
-    __slots__ = ("entries", "gathers", "after", "outs", "nbytes", "budget", "sequences")
+    __slots__ = ("entries", "gathers", "after", "outs", "nbytes", "budget")
 
     def __init__(self, budget: float = float("inf")) -> None:
         self.budget = budget  # bytes of inputs held; past it they are launched
@@ -69,8 +59,6 @@ class StatisticsBatch:
         self.after: list[tuple[Callable[..., Any], tuple]] = []
         self.outs: set[int] = set()
         self.nbytes = 0
-        # per queue flushed: its launch sequence and the replay of its launches
-        self.sequences: OrderedDict[tuple, tuple[Any, Replay]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.entries) + len(self.gathers) + len(self.after)
@@ -106,31 +94,26 @@ class StatisticsBatch:
         """Launches the queued reductions, grouped, then the gathers, then what follows."""
         entries, gathers, after = self.entries, self.gathers, self.after
         self.clear()
-        if len(entries) == 1 and not gathers:  # one launch: nothing to work out
-            launch, *args, _ = entries[0]
-            launch(*args)
-        elif entries or gathers:
-            self._launch(entries, gathers)
+        if entries:
+            launch_grouped = _grouped().launch_grouped
+            groups: dict[tuple, list[tuple]] = {}
+            for entry in entries:
+                groups.setdefault(entry[5], []).append(entry[:5])
+            for key, group in groups.items():
+                if len(group) == 1:  # its own launch needs no tables
+                    launch, *args = group[0]
+                    launch(*args)
+                else:
+                    launch_grouped(key, group)
+        if gathers:
+            grouped = _grouped()
+            by_width: dict[int, list[tuple]] = {}
+            for entry in gathers:
+                by_width.setdefault(grouped.gather_key(entry[1]), []).append(entry)
+            for width, group in by_width.items():
+                grouped.launch_gathers(width, group)
         for fn, args in after:
             fn(*args)
-
-    def _launch(self, entries: list[tuple], gathers: list[tuple]) -> None:
-        """Launches a queue through its kept sequence: replayed as one CUDA graph when it
-        launches several kernels (a graph's replay costs about one launch's host time)."""
-        launches = _sequence().LaunchSequence
-        key = launches.key(entries, gathers)
-        kept = self.sequences.get(key)
-        if kept is None:
-            if len(self.sequences) >= MAX_SEQUENCES:
-                self.sequences.popitem(last=False)
-            sequence = launches(entries, gathers)
-            kept = self.sequences[key] = (sequence, Replay(sequence.device))
-        sequence, replay = kept
-        taken = sequence.prepare(entries)
-        if sequence.kernels > 1:
-            replay(taken, lambda: sequence.run(entries))
-        else:
-            sequence.run(entries)
 
     def clear(self) -> None:
         """Forgets what is queued."""
@@ -144,14 +127,6 @@ def _grouped() -> Any:
     from hf_triaccel.kernels import grouped
 
     return grouped
-
-
-@functools.cache
-def _sequence() -> Any:
-    """The launch sequences' module, imported at the first flush."""
-    from hf_triaccel.kernels import sequence
-
-    return sequence
 
 
 def activate(batch: StatisticsBatch | None) -> StatisticsBatch | None:

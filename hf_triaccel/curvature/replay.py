@@ -1,4 +1,4 @@
-"""A refresh's fixed pieces of device work, replayed as CUDA graphs.
+"""A refresh's finish and fold, replayed as one CUDA graph.
 
 A refresh ends with the finish of every layer's statistics and their fold into the
 factors (:class:`~hf_triaccel.curvature.finish.FinishPlan`,
@@ -8,13 +8,7 @@ tensors that stay where they are, and their arguments (the step's counts, the de
 the rules) rarely change, so on CUDA, once the same finish and fold has run eagerly on
 two refreshes in a row, it is captured as a CUDA graph and later refreshes with the same
 arguments replay it: one launch. Capturing runs nothing, so the refresh that captures
-has already run eagerly. The statistics' launches in the backward replay the same way
-(:mod:`~hf_triaccel.curvature.batching`).
-
-A capture neither synchronises the device nor empties PyTorch's cache of device memory
-(as ``torch.cuda.graph`` does): it comes in the middle of a training step, where either
-would cost the step, and emptying the cache would move the next step's tensors, whose
-addresses some of the graphs are keyed on.
+has already run eagerly.
 
 Nothing is captured while another capture runs (a graph of the whole training step),
 while ``torch.compile`` traces, or off CUDA.
@@ -26,11 +20,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-# Keys remembered, and graphs kept, per replay: the usual step and, say, an epoch's last,
-# smaller batch; or the few sets of addresses that the caching allocator gives a step's
-# tensors in turn. A key seen among the last RECENT is captured; keys that never come
-# back are never captured.
-_MAX_GRAPHS = _RECENT = 4
+# graphs kept per plan: the usual step and, say, an epoch's last, smaller batch
+_MAX_GRAPHS = 2
 
 
 def capturable(device: torch.device) -> bool:
@@ -49,8 +40,8 @@ class Replay:
     """Runs a fixed piece of device work, eagerly or as a CUDA graph it captured.
 
     ``replay(key, run)`` runs ``run()``, whose device work may depend on ``key`` only
-    (and on tensors that stay where they are). When ``key`` is one of the last few
-    calls' and the device allows it, the work is captured after it ran; later calls with
+    (and on tensors that stay where they are). When ``key`` is the one of the previous
+    call and the device allows it, the work is captured after it ran; later calls with
     that key replay the graph instead of calling ``run``.
 
     Example:
@@ -62,13 +53,12 @@ class Replay:
         tensor([3.])
     """
 
-    __slots__ = ("device", "graphs", "recent", "stream")
+    __slots__ = ("device", "graphs", "previous")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
-        self.recent: tuple[Hashable, ...] = ()  # the last calls' keys, newest last
-        self.stream: torch.cuda.Stream | None = None  # where captures run (not the default)
+        self.previous: Hashable = None
 
     def __call__(self, key: Hashable, run: Callable[[], object]) -> None:
         graph = self.graphs.get(key)
@@ -77,23 +67,13 @@ class Replay:
                 graph.replay()
             return
         run()
-        if key in self.recent and capturable(self.device):
+        if key == self.previous and capturable(self.device):
             if len(self.graphs) >= _MAX_GRAPHS:
                 del self.graphs[next(iter(self.graphs))]
-            self.graphs[key] = self._capture(run)
-        self.recent = (*self.recent[1 - _RECENT :], key)
-
-    def _capture(self, run: Callable[[], object]) -> torch.cuda.CUDAGraph:
-        """``run``'s device work as a graph (recorded on a stream of its own, not run)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device):
-            if self.stream is None:
-                self.stream = torch.cuda.Stream()
-            with torch.cuda.stream(self.stream):
-                # thread_local: a data loader's thread may use CUDA meanwhile
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    run()
-                finally:
-                    graph.capture_end()
-        return graph
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a data loader's thread may use CUDA meanwhile
+            capture = torch.cuda.graph(graph, capture_error_mode="thread_local")
+            with torch.cuda.device(self.device), capture:
+                run()
+            self.graphs[key] = graph
+        self.previous = key

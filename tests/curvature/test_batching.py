@@ -21,7 +21,6 @@ from tests.curvature.test_collector import ResidualNet, forward_backward
 
 pytest.importorskip("triton")
 grouped = pytest.importorskip("hf_triaccel.kernels.grouped")
-sequence = pytest.importorskip("hf_triaccel.kernels.sequence")
 stats = pytest.importorskip("hf_triaccel.kernels.stats")
 
 # float32 sums of positive terms added in another order: each entry's rounding differs
@@ -81,7 +80,7 @@ def test_grouped_gathers_match_matrix_products():
         widths.setdefault(grouped.gather_key(entry[1]), []).append(entry)
     assert sorted(widths) == [16, 64]
     for width, group in widths.items():
-        grouped.gathers_launch(width, group)()
+        grouped.launch_gathers(width, group)
     for (_, _, out), want in zip(entries, expected, strict=True):
         torch.testing.assert_close(out, want, rtol=RTOL, atol=0.0)
 
@@ -116,16 +115,14 @@ def test_a_second_reduction_into_the_same_output_flushes_the_first():
 
 
 def _spy(monkeypatch) -> list[int]:
-    """The reductions of each grouped kernel that a flush launches, as they are launched
-    (a reduction alone in its group has a launch of its own and is not counted)."""
     sizes: list[int] = []
-    prepare = sequence.LaunchSequence.prepare
+    launch = grouped.launch_grouped
 
-    def spy(self, entries):
-        sizes.extend(len(at) for plan, at in self.steps if plan is not None)
-        return prepare(self, entries)
+    def spy(key, entries):
+        sizes.append(len(entries))
+        launch(key, entries)
 
-    monkeypatch.setattr(sequence.LaunchSequence, "prepare", spy)
+    monkeypatch.setattr(grouped, "launch_grouped", spy)
     return sizes
 
 
