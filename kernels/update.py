@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from hf_triaccel._types import ParamFactors
+from hf_triaccel.kernels.stats import compiled_kernel, direct_launch_supported, launch_compiled
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The parameter dtypes the kernel updates (in float32 arithmetic, float32 momentum).
@@ -260,6 +261,10 @@ class _Group:
     aligned: bool  # every param and momentum pointer is 16-byte aligned
     grad_table: torch.Tensor | None = None
     grads_aligned: bool = False
+    # Compiled kernels by the constexprs and alignments of a call: launched directly after
+    # the first call of each (binding the arguments again costs more host time than the
+    # update takes on the device).
+    compiled: dict[tuple, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -529,29 +534,42 @@ def _launch(plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize) -
     if lr_is_tensor and lr.device != plan.device:
         raise ValueError(f"a tensor lr must be on the params' device ({plan.device})")
     decay = bool(weight_decay)
+    constexprs = (lr_is_tensor, bool(maximize), decay and not decoupled, decay and decoupled)
+    lr_ptr = lr if lr_is_tensor else None
+    scalars = (0.0 if lr_is_tensor else float(lr), lr_ptr, float(beta), 1.0 - beta)
+    scalars += (float(weight_decay), float(damping))
+    direct = direct_launch_supported(plan.device)
     with _on_device(plan.device):
         for group in plan.groups:
-            _adafisher_kernel[(group.n_chunks,)](
-                group.tensor_table,
-                group.grad_table,
-                group.chunk_table,
-                0.0 if lr_is_tensor else float(lr),
-                lr if lr_is_tensor else None,
-                float(beta),
-                1.0 - beta,
-                float(weight_decay),
-                float(damping),
+            aligned = group.aligned and group.grads_aligned
+            tables = (group.tensor_table, group.grad_table, group.chunk_table)
+            # what the compiled code is specialised on besides the constexprs: the tables'
+            # and a tensor lr's 16-byte alignment
+            key = (*constexprs, aligned, *(t.data_ptr() % 16 == 0 for t in tables))
+            if lr_is_tensor:
+                key += (lr.data_ptr() % 16 == 0,)
+            compiled = group.compiled.get(key)
+            if compiled is not None:
+                meta = (group.param_dtype, group.grad_dtype, *constexprs, aligned)
+                args = [*tables, *scalars, *meta, group.channels_last, BLOCK]
+                launch_compiled(compiled, (group.n_chunks,), args)
+                continue
+            handle = _adafisher_kernel[(group.n_chunks,)](
+                *tables,
+                *scalars,
                 PARAM_DTYPE=group.param_dtype,
                 GRAD_DTYPE=group.grad_dtype,
                 LR_IS_TENSOR=lr_is_tensor,
                 MAXIMIZE=bool(maximize),
                 L2_DECAY=decay and not decoupled,
                 DECOUPLED_DECAY=decay and decoupled,
-                ALIGNED=group.aligned and group.grads_aligned,
+                ALIGNED=aligned,
                 CHANNELS_LAST=group.channels_last,
                 BLOCK=BLOCK,
                 num_warps=NUM_WARPS,
             )
+            if direct:
+                group.compiled[key] = compiled_kernel(handle)
     return plan.fallback
 
 

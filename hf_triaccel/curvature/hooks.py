@@ -34,8 +34,18 @@ if TYPE_CHECKING:
     from hf_triaccel.curvature.collector import FisherCollector
 
 
-def _current_saved_tensors_hooks() -> Any:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+def _saved_tensors_hooks_probe() -> Any:
+    """torch's query of the innermost saved-tensor hooks, or ``None`` on a torch that
+    has none (it is private): worked out once, as the hooks ask at every forward."""
+    query = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        query(False)
+    except (TypeError, RuntimeError):
+        return None
+    return query
+
+
+_TOP_SAVED_TENSORS_HOOKS = _saved_tensors_hooks_probe()
 
 
 def in_checkpoint_recompute() -> bool:
@@ -63,22 +73,22 @@ def _recomputing(hooked: bool | None) -> bool:
 def _saved_tensors_hooked() -> bool | None:
     """Whether saved-tensor hooks are active (activation checkpointing, offloading);
     ``None`` on a torch that cannot say."""
-    try:
-        return _current_saved_tensors_hooks() is not None
-    except (AttributeError, TypeError):
-        return None
+    query = _TOP_SAVED_TENSORS_HOOKS
+    return None if query is None else query(False) is not None
 
 
-def _kept(saved: bool, hooked: bool | None, x: torch.Tensor) -> bool:
+def _kept(saved: bool, hooked: bool | None, x: torch.Tensor, device_type: str) -> bool:
     """Whether a forward whose rule keeps its input for the backward (``saved``:
     :meth:`~hf_triaccel.curvature.rules.FisherRule.input_saved`) keeps ``x`` itself:
-    autocast does not cast it first, and no saved-tensor hooks (activation checkpointing,
-    offloading) take what the forward saves elsewhere (``hooked``: what
-    :func:`_saved_tensors_hooked` says; unknown, the statistic is taken at once)."""
+    autocast (for ``device_type``, where the layer computes) does not cast it first, and
+    no saved-tensor hooks (activation checkpointing, offloading) take what the forward
+    saves elsewhere (``hooked``: what :func:`_saved_tensors_hooked` says; unknown, the
+    statistic is taken at once)."""
     if not saved or hooked is not False:
         return False
-    device = x.device.type
-    return not torch.is_autocast_enabled(device) or x.dtype == torch.get_autocast_dtype(device)
+    return not torch.is_autocast_enabled(device_type) or (
+        x.dtype == torch.get_autocast_dtype(device_type)
+    )
 
 
 class InertHook:
@@ -138,18 +148,19 @@ class ActivationHook(_StatisticsHook):
         if module is not layer.module or not torch.is_grad_enabled():
             return None
         hooked = _saved_tensors_hooked()  # asked once for both tests
-        if _recomputing(hooked):
+        if hooked and torch._C._current_graph_task_id() != -1:  # _recomputing, inlined
             return None
         x = args[0] if args else next(iter(kwargs.values()))
         collector = self.collector
         anchor = module._parameters.get(layer.anchor)
         if anchor is None:  # a parametrised or replaced parameter
             anchor = getattr(module, layer.anchor)
-        if layer.follow(anchor.device):
+        device = anchor.device
+        if device != layer.at and layer.follow(device):
             collector.generation += 1  # whoever cached the factors' addresses
         # an input the forward keeps anyway can wait for the backward, with the others
-        batch = collector.batches.activations if _kept(self.saved, hooked, x) else None
-        previous = activate(batch)
+        kept = _kept(self.saved, hooked, x, device.type)
+        previous = activate(collector.batches.activations if kept else None)
         try:
             return layer.take_activation(module, x.detach(), collector.impl)
         finally:
@@ -179,7 +190,7 @@ class OutputHook(_StatisticsHook):
             return
         layer, impl, batches = self.layer, self.collector.impl, self.collector.batches
 
-        def grad_hook(grad: torch.Tensor) -> None:
+        def take(grad: torch.Tensor) -> None:
             batches.backward_started()
             layer.confirm(pending)
             if grad.requires_grad:  # a backward that builds a graph (create_graph)
@@ -191,7 +202,21 @@ class OutputHook(_StatisticsHook):
                 activate(previous)
             batches.gradient_taken()
 
-        output.register_hook(grad_hook)
+        node = output.grad_fn
+        if node is None or torch.compiler.is_compiling():
+            output.register_hook(take)
+            return
+        # A hook on the node that computes the output's gradient costs less host time
+        # than a tensor hook and sees the same gradient: the node a tensor hook is kept
+        # on, also when the output is later changed in place (an in-place activation).
+        index = output.output_nr
+
+        def node_hook(grads: tuple[torch.Tensor | None, ...]) -> None:
+            grad = grads[index]
+            if grad is not None:  # no gradient reached this output
+                take(grad)
+
+        node.register_prehook(node_hook)
 
 
 class LayerHook(ActivationHook, OutputHook):

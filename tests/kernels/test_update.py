@@ -512,6 +512,28 @@ def test_gpu_real_sizes_match_reference(device, specs, dtype, decoupled):
 
 
 @pytest.mark.gpu
+def test_gpu_later_steps_launch_the_compiled_kernel_directly(device, monkeypatch):
+    """Triton binds the arguments once per group and settings; the steps after that
+    launch the compiled kernel directly, and still match the reference."""
+    from hf_triaccel.kernels import update
+
+    bound = []
+    run = update._adafisher_kernel.run
+    monkeypatch.setattr(
+        update._adafisher_kernel, "run", lambda *a, **k: bound.append(1) or run(*a, **k)
+    )
+    clear_cache()
+    lr = torch.tensor(0.01, device=device)
+    result = run_both(
+        SMALL_SPECS, dtype=torch.float32, n_steps=4, lr=lr, weight_decay=0.1, decoupled=True,
+        device=device,
+    )  # fmt: skip
+    assert len(bound) == 1  # one group: float32, contiguous
+    assert_matches(result.params, result.ref_params, torch.float32)
+    assert_matches(result.moms, result.ref_moms, torch.float32)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_replay(device):
     """With cached tables a step is capturable; replays see new grads and a new lr."""
     params, moms, factors, steps = make_case(MLP_SPECS[:3], torch.float32, 0, device)
