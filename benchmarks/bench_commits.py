@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.smoke)))
         return 0
     records = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print("| commit | optimizer | update_every | train step ms | optimizer step ms |")
+    print("|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         trees = {c: assemble(c, Path(scratch) / str(i)) for i, c in enumerate(args.commits)}
         for round_ in range(args.rounds):
@@ -169,16 +173,14 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 for row in json.loads(done.stdout.strip().splitlines()[-1]):
                     records.append({"commit": commit, "round": round_, **row})
-    print("| commit | optimizer | update_every | train step ms | optimizer step ms |")
-    print("|---|---|---|---|---|")
-    for r in records:
-        print(
-            f"| {r['commit']} | {r['optimizer']} | {r['update_every']} | "
-            f"{r['train_step_ms']:.2f} | {r['optimizer_step_ms']:.3f} |"
-        )
+                    print(
+                        f"| {commit} | {row['optimizer']} | {row['update_every']} | "
+                        f"{row['train_step_ms']:.2f} | {row['optimizer_step_ms']:.3f} |",
+                        flush=True,
+                    )
+                # written after every process, so that a run cut short keeps its rounds
+                (out / "bench_commits.json").write_text(json.dumps(records, indent=1))
     print(summary(records))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "bench_commits.json").write_text(json.dumps(records, indent=1))
     return 0
 
 

@@ -25,6 +25,7 @@ import functools
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -245,26 +246,38 @@ class _Launch:
     PyTorch allocation has, which is what the compiled kernel was specialised on).
     """
 
-    __slots__ = ("kernel", "grid", "args", "num_warps", "direct", "compiled")
+    __slots__ = ("kernel", "grid", "args", "num_warps", "direct", "compiled", "template", "at")
 
     def __init__(
         self, kernel, grid: tuple[int, ...], args: dict, num_warps: int, device: torch.device
     ) -> None:
         self.kernel = kernel
         self.grid = grid
-        self.args = args
+        self.args = args  # holds the tensors the template has the addresses of
         self.num_warps = num_warps
         self.direct = direct_launch_supported(device)
         self.compiled = None
+        # every argument in order, tensors as their addresses, for direct launches
+        self.template = [_address(args.get(n)) for n in kernel.arg_names]
+        self.at = {name: i for i, name in enumerate(kernel.arg_names)}
 
     def __call__(self, **changed: torch.Tensor) -> None:
-        args = {**self.args, **changed} if changed else self.args
         if self.compiled is not None:
-            launch_compiled(self.compiled, self.grid, [args[n] for n in self.kernel.arg_names])
+            args = self.template.copy()
+            at = self.at
+            for name, tensor in changed.items():
+                args[at[name]] = tensor.data_ptr()
+            launch_compiled(self.compiled, self.grid, args)
             return
+        args = {**self.args, **changed} if changed else self.args
         handle = self.kernel[self.grid](**args, num_warps=self.num_warps)
         if self.direct:
             self.compiled = compiled_kernel(handle)
+
+
+def _address(value: Any) -> Any:
+    """A tensor's address (how direct launches pass pointers), anything else as it is."""
+    return value.data_ptr() if isinstance(value, torch.Tensor) else value
 
 
 @functools.lru_cache(maxsize=64)

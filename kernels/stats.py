@@ -312,9 +312,10 @@ def _split(
 
 @functools.cache
 def _direct_launch() -> tuple | None:
-    """What launching a compiled kernel directly needs, ``(knobs, driver)``, or ``None``
-    where it is not known to work: under the interpreter, or a Triton older than 3.3
-    (which passed its launcher only the non-constexpr arguments)."""
+    """What launching a compiled kernel directly needs, ``(knobs, current stream of a
+    device, current device)``, or ``None`` where it is not known to work: under the
+    interpreter, or a Triton older than 3.3 (which passed its launcher only the
+    non-constexpr arguments)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return None
     try:
@@ -323,7 +324,10 @@ def _direct_launch() -> tuple | None:
     except ImportError:
         return None
     version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
-    return (knobs, driver) if version >= (3, 3) else None
+    if version < (3, 3):
+        return None
+    active = driver.active  # a lazy proxy: its methods are looked up once
+    return knobs, active.get_current_stream, active.get_current_device
 
 
 def compiled_kernel(handle: Any) -> Any:
@@ -337,9 +341,17 @@ def launch_compiled(compiled: Any, grid: tuple[int, ...], args: list) -> None:
     binding and specialising the arguments again: ``args`` are every argument of the
     kernel in order, constexprs included, and must match what ``compiled`` was
     specialised on (the same constexprs, pointers of the same 16-byte alignment). Only
-    where :func:`direct_launch_supported`."""
-    knobs, driver = _direct_launch()
-    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    where :func:`direct_launch_supported`.
+
+    A pointer argument may be given as its tensor or as the tensor's address (an int):
+    given a tensor, Triton's launcher asks the driver about the pointer
+    (``cuPointerGetAttribute``) on every launch, host time that the callers here, whose
+    tensors are on the device their plan was made for, save by passing addresses. The
+    caller keeps the tensors alive until the launch is queued."""
+    knobs, current_stream, current_device = _direct_launch()
+    stream = current_stream(current_device())
+    enter_hook = knobs.runtime.launch_enter_hook
+    metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *args)
     dims = (*grid, 1, 1)
     compiled.run(
         dims[0],
@@ -348,8 +360,8 @@ def launch_compiled(compiled: Any, grid: tuple[int, ...], args: list) -> None:
         stream,
         compiled.function,
         compiled.packed_metadata,
-        compiled.launch_metadata(grid, stream, *args),
-        knobs.runtime.launch_enter_hook,
+        metadata,
+        enter_hook,
         knobs.runtime.launch_exit_hook,
         *args,
     )
@@ -424,7 +436,8 @@ class ReductionLaunch:
         self.compiled: dict[tuple, object] = {}
         self.template: list | None = None  # every argument in order, for direct launches
         if direct_launch_supported(device):
-            values = {"ticket_ptr": self.tickets, **self.kwargs}
+            # the tickets' address: they live as long as this launch
+            values = {"ticket_ptr": self.tickets.data_ptr(), **self.kwargs}
             self.template = [values.get(name) for name in kernel.arg_names]
             self.at = (kernel.arg_names.index("scale"), kernel.arg_names.index("ACCUMULATE"))
 
@@ -457,7 +470,7 @@ class ReductionLaunch:
         """Launches ``compiled`` with this call's arguments (:func:`launch_compiled`)."""
         args = self.template.copy()
         at_scale, at_accumulate = self.at
-        args[0], args[1], args[2] = x, out, part
+        args[0], args[1], args[2] = x.data_ptr(), out.data_ptr(), part.data_ptr()
         args[at_scale], args[at_accumulate] = scale, accumulate
         launch_compiled(compiled, self.grid, args)
 

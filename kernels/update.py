@@ -535,27 +535,29 @@ def _launch(plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize) -
         raise ValueError(f"a tensor lr must be on the params' device ({plan.device})")
     decay = bool(weight_decay)
     constexprs = (lr_is_tensor, bool(maximize), decay and not decoupled, decay and decoupled)
-    lr_ptr = lr if lr_is_tensor else None
-    scalars = (0.0 if lr_is_tensor else float(lr), lr_ptr, float(beta), 1.0 - beta)
-    scalars += (float(weight_decay), float(damping))
+    lr_ptr = lr.data_ptr() if lr_is_tensor else None
+    scalars = (float(beta), 1.0 - beta, float(weight_decay), float(damping))
     direct = direct_launch_supported(plan.device)
     with _on_device(plan.device):
         for group in plan.groups:
             aligned = group.aligned and group.grads_aligned
             tables = (group.tensor_table, group.grad_table, group.chunk_table)
-            # what the compiled code is specialised on besides the constexprs: the tables'
-            # and a tensor lr's 16-byte alignment
-            key = (*constexprs, aligned, *(t.data_ptr() % 16 == 0 for t in tables))
+            # direct launches pass addresses (see launch_compiled); the compiled code is
+            # specialised on the constexprs and on the pointers' 16-byte alignment
+            ptrs = [t.data_ptr() for t in tables]
+            key = (*constexprs, aligned, *(p % 16 == 0 for p in ptrs))
             if lr_is_tensor:
-                key += (lr.data_ptr() % 16 == 0,)
+                key += (lr_ptr % 16 == 0,)
             compiled = group.compiled.get(key)
             if compiled is not None:
                 meta = (group.param_dtype, group.grad_dtype, *constexprs, aligned)
-                args = [*tables, *scalars, *meta, group.channels_last, BLOCK]
-                launch_compiled(compiled, (group.n_chunks,), args)
+                args = [*ptrs, 0.0 if lr_is_tensor else float(lr), lr_ptr, *scalars, *meta]
+                launch_compiled(compiled, (group.n_chunks,), [*args, group.channels_last, BLOCK])
                 continue
             handle = _adafisher_kernel[(group.n_chunks,)](
                 *tables,
+                0.0 if lr_is_tensor else float(lr),
+                lr if lr_is_tensor else None,
                 *scalars,
                 PARAM_DTYPE=group.param_dtype,
                 GRAD_DTYPE=group.grad_dtype,
