@@ -77,14 +77,14 @@ def _saved_tensors_hooked() -> bool | None:
     return None if query is None else query(False) is not None
 
 
-def _kept(saved: bool, hooked: bool | None, x: torch.Tensor, device_type: str) -> bool:
-    """Whether a forward whose rule keeps its input for the backward (``saved``:
-    :meth:`~hf_triaccel.curvature.rules.FisherRule.input_saved`) keeps ``x`` itself:
+def _kept(hooked: bool | None, x: torch.Tensor, device_type: str) -> bool:
+    """Whether a forward whose rule keeps its input for the backward
+    (:meth:`~hf_triaccel.curvature.rules.FisherRule.input_saved`) keeps ``x`` itself:
     autocast (for ``device_type``, where the layer computes) does not cast it first, and
     no saved-tensor hooks (activation checkpointing, offloading) take what the forward
     saves elsewhere (``hooked``: what :func:`_saved_tensors_hooked` says; unknown, the
     statistic is taken at once)."""
-    if not saved or hooked is not False:
+    if hooked is not False:
         return False
     return not torch.is_autocast_enabled(device_type) or (
         x.dtype == torch.get_autocast_dtype(device_type)
@@ -159,7 +159,7 @@ class ActivationHook(_StatisticsHook):
         if device != layer.at and layer.follow(device):
             collector.generation += 1  # whoever cached the factors' addresses
         # an input the forward keeps anyway can wait for the backward, with the others
-        kept = _kept(self.saved, hooked, x, device.type)
+        kept = self.saved and _kept(hooked, x, device.type)
         previous = activate(collector.batches.activations if kept else None)
         try:
             return layer.take_activation(module, x.detach(), collector.impl)
