@@ -157,6 +157,8 @@ def measure_host(rows: list[dict], args: Any) -> None:
             row["aten_ops"] = harness.count_aten_ops(steps[-1])
             harness.synchronize(args.device)
             row.update(launches=counter.count - before, times=[])
+            if args.device.type == "cpu":  # where the backward's hooks run in this thread
+                row["python"] = harness.count_python(steps[-1])
         for _ in range(args.steps):
             for row, step in zip(rows, steps, strict=True):
                 row["times"].append(harness.wall_ms(step, args.device, wait=False))
@@ -164,6 +166,31 @@ def measure_host(rows: list[dict], args: Any) -> None:
         counter.restore()
     for row in rows:
         row["host_ms"] = float(np.median(row.pop("times")))
+
+
+def python_total(row: dict, at: int) -> str:
+    """A row's Python opcodes (``at=0``) or calls (``1``) per step, ``n/a`` uncounted."""
+    counts = row.get("python")
+    return "n/a" if counts is None else str(sum(v[at] for v in counts.values()))
+
+
+def refresh_python_table(rows: list[dict], top: int = 20) -> str:
+    """The functions whose Python work a refresh adds most: per function, the opcodes
+    and calls of the refreshing AdaFisherW row less those of the one without refresh."""
+    fisher = {r["refresh"]: r.get("python") for r in rows if r["optimizer"] == "AdaFisherW"}
+    refresh, plain = fisher.get(True), fisher.get(False)
+    if refresh is None or plain is None:
+        return ""
+    added = {
+        name: (opcodes - plain.get(name, (0, 0))[0], calls - plain.get(name, (0, 0))[1])
+        for name, (opcodes, calls) in refresh.items()
+    }
+    lines = ["| what a refresh adds: function | Python opcodes | calls |", "|---|---|---|"]
+    for name, (opcodes, calls) in sorted(added.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| `{name}` | {opcodes} | {calls} |")
+    total = [sum(v[i] for v in added.values()) for i in (0, 1)]
+    lines.append(f"| all | {total[0]} | {total[1]} |")
+    return "\n".join(lines)
 
 
 def variants(args: Any) -> list[dict]:
@@ -227,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.host:
         columns["aten ops"] = lambda r: r["aten_ops"]
+        for name, at in (("Python opcodes", 0), ("Python calls", 1)):
+            columns[name] = lambda r, at=at: python_total(r, at)
         columns["Triton launches"] = lambda r: r["launches"]
         columns["host ms"] = lambda r: fmt(r.get("host_ms"))
         # AdamW's update runs on a CPU within its host time: a ratio only on CUDA
@@ -258,7 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = "bench_train_step_host" if args.host else "bench_train_step"
     if args.model != "resnet18_cifar":
         name += f"_{args.model}"
-    harness.finish(name, __file__, args, payload, harness.table(rows, columns))
+    text = harness.table(rows, columns)
+    if args.host and args.device.type == "cpu":
+        text += "\n\n" + refresh_python_table(rows)
+    harness.finish(name, __file__, args, payload, text)
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 

@@ -236,6 +236,51 @@ def count_aten_ops(fn: Callable[[], Any]) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
+def count_python(fn: Callable[[], Any]) -> dict[str, list[int]]:
+    """Python opcodes and calls executed in this thread by one call of ``fn``, per function
+    (``file:qualified name``, the file from its package folder on): ``{function: [opcodes,
+    calls]}``. A count of the host's Python work that does not depend on the host's speed
+    or load; C code (PyTorch's operators, Triton's launcher) is not in it. On a CUDA device
+    the autograd engine runs the backward's hooks in a thread of its own, which is not
+    traced: count on the CPU."""
+    counts: dict[tuple[str, str], list[int]] = {}
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        key = (code.co_filename, getattr(code, "co_qualname", code.co_name))
+        if event == "call":
+            counts.setdefault(key, [0, 0])[1] += 1
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            counts[key][0] += 1
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(previous)
+    out: dict[str, list[int]] = {}
+    for (filename, name), (opcodes, calls) in counts.items():
+        total = out.setdefault(f"{_source_label(filename)}:{name}", [0, 0])
+        total[0] += opcodes
+        total[1] += calls
+    return out
+
+
+def _source_label(filename: str) -> str:
+    """A source file named from its package's folder on (``hf_triaccel/...``,
+    ``kernels/...``, ``torch/...``), else by its name."""
+    parts = Path(filename).parts
+    for i, part in enumerate(parts):
+        if part in ("hf_triaccel", "kernels"):
+            return "/".join(parts[i:])
+    if "site-packages" in parts:
+        return "/".join(parts[len(parts) - parts[::-1].index("site-packages") :])
+    return parts[-1] if parts else filename
+
+
 class StepClock(TrainerCallback):
     """Times training steps from a loop (:meth:`step_end`) or a Trainer (callback).
 

@@ -179,6 +179,28 @@ def test_bench_train_step_host_smoke(bench, tmp_path):
     # the Fisher refresh adds work to the step: more operators, and more Triton launches
     assert rows[True]["aten_ops"] > rows[False]["aten_ops"]
     assert rows[None]["launches"] == 0 < rows[False]["launches"] < rows[True]["launches"]
+    # ... and Python work, counted per function: the statistics hooks run only then
+    hook = "hf_triaccel/curvature/hooks.py:ActivationHook.take"
+    assert rows[True]["python"][hook][1] > 0
+    assert hook not in rows[False]["python"]
+    total = {r: sum(v[0] for v in row["python"].values()) for r, row in rows.items()}
+    assert total[True] > total[False]
+
+
+def test_count_python_counts_each_function_once_per_call(bench):
+    harness = bench("harness")
+
+    def twice() -> int:
+        return sum(square(i) for i in range(2))
+
+    def square(i: int) -> int:
+        return i * i
+
+    counts = harness.count_python(twice)
+    assert counts == harness.count_python(twice)  # the same work counts the same
+    mine = {name.rsplit(".", 1)[-1].rsplit(":", 1)[-1]: v for name, v in counts.items()}
+    assert mine["square"][1] == 2 and mine["twice"][1] == 1
+    assert mine["square"][0] > 0  # its opcodes
 
 
 def test_bench_optimizer_host_smoke(bench, tmp_path):
