@@ -363,20 +363,24 @@ def test_fast_defaults_script_smoke(tmp_path):
 
 
 def test_fast_defaults_refresh_script_smoke(tmp_path):
-    """``fast_defaults.sh --refresh``: the training step and the refresh profile of every
-    model, each stage's record written, the traces gzipped (CPU, tiny models)."""
+    """``fast_defaults.sh --refresh``: the training step of every model and the refresh
+    profile of every model but EfficientNet-B0 (left out of smoke runs: see the script),
+    each stage's record written, the traces gzipped (CPU, tiny models)."""
     _fast_defaults(tmp_path, "--refresh")
     models = ("resnet18_cifar", "vit_base_patch16_224", "efficientnet_b0_cifar", "gpt2")
+    profiled = [m for m in models if m != "efficientnet_b0_cifar"]
     for model in models:
         suffix = "" if model == "resnet18_cifar" else f"_{model}"
         steps = _load(tmp_path / f"train_step_{model}" / f"bench_train_step{suffix}.json")
         assert all(r["status"] == "ok" for r in steps["results"]), model
-        profile = _load(tmp_path / f"profile_{model}" / f"profile_refresh{suffix}.json")
-        assert profile["results"]["AdaFisherW, refresh every step"]["ranges"]["fold"][0] == 1
+        if model in profiled:
+            profile = _load(tmp_path / f"profile_{model}" / f"profile_refresh{suffix}.json")
+            fold = profile["results"]["AdaFisherW, refresh every step"]["ranges"]["fold"]
+            assert fold[0] == 1
     for model in ("resnet18_cifar", "gpt2"):
         assert (tmp_path / f"profile_{model}" / f"profile_refresh_{model}.trace.json.gz").is_file()
     summary = (tmp_path / "fast_defaults_refresh.md").read_text()
-    assert summary.count("exit 0 after") == 2 * len(models)
+    assert summary.count("exit 0 after") == len(models) + len(profiled)
 
 
 def test_time_to_accuracy_smoke_appends_resumes_and_times(bench, tmp_path, capsys):
