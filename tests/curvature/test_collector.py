@@ -333,6 +333,28 @@ def test_inplace_relu_after_a_hooked_layer():
         torch.testing.assert_close(g1.double(), oracle[name][1])
 
 
+class SecondOfASplit(nn.Linear):
+    """A Linear whose output is the second output of a split: its gradient reaches the
+    node the hook is on as that node's second gradient (the first one gets none)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.cat([x, x])).split(len(x))[1]
+
+
+def test_the_gradient_of_a_node_s_second_output_is_the_one_taken():
+    model, plain = SecondOfASplit(5, 3), nn.Linear(5, 3)
+    plain.load_state_dict(model.state_dict())
+    c1 = FisherCollector(model, impl="reference")
+    c2 = FisherCollector(plain, impl="reference")
+    x, w = torch.randn(6, 5), torch.randn(6, 3)
+    out = model(x)
+    assert out.output_nr == 1  # the case under test
+    (out * w).sum().backward()
+    (plain(x) * w).sum().backward()
+    for got, want in zip(c1.layers[""].statistics(), c2.layers[""].statistics(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 class ResidualNet(nn.Module):
     """timm-style block: in-place ReLU and ``x += shortcut`` after hooked layers."""
 
