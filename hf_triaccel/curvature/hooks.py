@@ -148,7 +148,7 @@ class ActivationHook(_StatisticsHook):
         if module is not layer.module or not torch.is_grad_enabled():
             return None
         hooked = _saved_tensors_hooked()  # asked once for both tests
-        if hooked and torch._C._current_graph_task_id() != -1:  # _recomputing, inlined
+        if _recomputing(hooked):
             return None
         x = args[0] if args else next(iter(kwargs.values()))
         collector = self.collector
@@ -156,7 +156,7 @@ class ActivationHook(_StatisticsHook):
         if anchor is None:  # a parametrised or replaced parameter
             anchor = getattr(module, layer.anchor)
         device = anchor.device
-        if device != layer.at and layer.follow(device):
+        if layer.follow(device):
             collector.generation += 1  # whoever cached the factors' addresses
         # an input the forward keeps anyway can wait for the backward, with the others
         kept = self.saved and _kept(hooked, x, device.type)

@@ -89,7 +89,6 @@ class LayerFactors:
     owners: list[weakref.ref | None] = field(default_factory=list)
     confirmed: list[int] = field(default_factory=list)  # slots whose gradient arrived
     anchor: str = ""  # an owned parameter's name: where it is, the factors must be
-    at: torch.device | None = None  # where the layer's tensors are (see follow)
     cache: dict[Any, Any] = field(default_factory=dict)  # the rule's per-shape plans
 
     @classmethod
@@ -137,7 +136,6 @@ class LayerFactors:
             slots=[sums],
             owners=[None],
             anchor=anchor,
-            at=device,
         )
 
     @property
@@ -150,7 +148,6 @@ class LayerFactors:
     def follow(self, device: torch.device) -> bool:
         """Moves the layer's tensors to ``device`` (where its module now computes), in
         place so that every view and reference follows; returns whether they moved."""
-        self.at = device
         if self.a_stat.device == device:
             return False
         for t in {id(t): t for t in self.tensors() + self.slots}.values():
@@ -221,7 +218,6 @@ class LayerFactors:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("at", state["a_stat"].device)  # pickled before it was kept
         self.__dict__.update(state)
 
     def reset(self) -> None:
