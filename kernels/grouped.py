@@ -1,5 +1,8 @@
 """Many column sums in one launch: the statistics of a refresh step in a few kernels.
 
+Over 400 lines: the grouped row sums and the grouped tap gathers share their plans'
+cache, their tables' copies and their direct launch, one unit.
+
 On a step whose pace the host sets, a statistic's launch costs more host time than its
 kernel takes on the device, so the collector queues the reductions of several layers
 and launches them together (:func:`launch_grouped`): one kernel per input dtype and
@@ -8,7 +11,9 @@ accumulation and tail, through device tables of data pointers. Each input is spl
 programs as its own :class:`~hf_triaccel.kernels.stats.ReductionLaunch` would split it,
 and its partial sums are finished the same way (the program that takes an output
 block's last ticket adds the block's rows in a fixed order), so the sums are
-reproducible from run to run.
+reproducible from run to run. :class:`GroupedSums` is one such launch kept for a
+sequence that repeats (a replayed refresh step), which reads only its new inputs'
+addresses per call.
 
 The tables: the geometry of each input and the program-to-work map are worked out once
 per sequence of reductions and kept with their tickets; what changes from call to call
@@ -24,7 +29,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -204,6 +209,14 @@ def launch_gathers(
     :func:`gather_key` ``block_k``, as one kernel. ``sums`` is a float32 (C, P) view,
     ``taps`` a float32 (P, K) selector (both read through their strides), ``out`` a
     contiguous float32 (C, K) tensor that no entry reads."""
+    gathers(block_k, entries)()
+
+
+def gathers(
+    block_k: int, entries: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> Callable[[], None]:
+    """:func:`launch_gathers` of ``entries`` as a launch to call, again and again: its
+    tables hold the entries' addresses, so the tensors must stay where they are."""
     device = entries[0][0].device
     table = []
     for sums, taps, out in entries:
@@ -233,7 +246,7 @@ def launch_gathers(
             num_warps=4,
             device=device,
         )
-    plan()
+    return plan
 
 
 class _Launch:
@@ -380,15 +393,62 @@ def launch_grouped(
     they must run in order (one stream), as a :class:`ReductionLaunch`'s do.
     """
     device = entries[0][1].device
-    plan_key = (key, device, tuple([id(e[0]) for e in entries]))
+    dynamic = []
+    for _, x, out, scale, accumulate in entries:
+        dynamic += (x.data_ptr(), out.data_ptr(), int(accumulate), _bits(float(scale)))
+    _run(_group_plan(key, [e[0] for e in entries], device), dynamic, device)
+
+
+class GroupedSums:
+    """:func:`launch_grouped` of one sequence of reductions into the same outputs, with
+    the same scales and accumulation, called again and again on new inputs: only the
+    inputs' addresses are read per call.
+
+    Args:
+        key: the group (:func:`group_key`) of every launch.
+        entries: (launch, out, scale, accumulate) per reduction; the outputs must stay
+            where they are.
+        device: where the inputs will be.
+    """
+
+    __slots__ = ("plan", "template", "device", "outs")
+
+    def __init__(
+        self,
+        key: tuple,
+        entries: Sequence[tuple[ReductionLaunch, torch.Tensor, float, bool]],
+        device: torch.device,
+    ) -> None:
+        self.plan = _group_plan(key, [e[0] for e in entries], device)
+        self.device = device
+        self.outs = [e[1] for e in entries]  # kept alive: the template holds their addresses
+        self.template: list[int] = []
+        for _, out, scale, accumulate in entries:
+            self.template += (0, out.data_ptr(), int(accumulate), _bits(float(scale)))
+
+    def __call__(self, xs: Sequence[torch.Tensor]) -> None:
+        dynamic = self.template.copy()
+        for i, x in enumerate(xs):
+            dynamic[4 * i] = x.data_ptr()
+        _run(self.plan, dynamic, self.device)
+
+
+def _group_plan(
+    key: tuple, launches: Sequence[ReductionLaunch], device: torch.device
+) -> _GroupPlan:
+    """The kept plan of ``launches`` (made on first use)."""
+    plan_key = (key, device, tuple([id(launch) for launch in launches]))
     plan = _PLANS.get(plan_key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.popitem(last=False)
-        plan = _PLANS[plan_key] = _GroupPlan(key, [e[0] for e in entries], device)
-    dynamic = []
-    for _, x, out, scale, accumulate in entries:
-        dynamic += (x.data_ptr(), out.data_ptr(), int(accumulate), _bits(float(scale)))
+        plan = _PLANS[plan_key] = _GroupPlan(key, launches, device)
+    return plan
+
+
+def _run(plan: _GroupPlan, dynamic: list[int], device: torch.device) -> None:
+    """Launches ``plan`` with the per-task values ``dynamic`` (copied to the device only
+    when they changed since its last launch)."""
     if dynamic != plan.last:
         plan.dynamic = _to_device(dynamic, torch.int64, device)
         plan.last = dynamic

@@ -26,6 +26,10 @@ from hf_triaccel.curvature.fold import FactorFold
 from hf_triaccel.curvature.layer import LayerFactors
 from hf_triaccel.curvature.replay import Replay
 
+# Sets of ready layers whose folds are kept: all layers, usually; a model whose layers
+# take turns (a mixture of experts) must not pile up folds.
+_MAX_FOLD_SETS = 8
+
 
 class DevicePlan(NamedTuple):
     """One device's part of a refresh: its ready layers, the finish of their statistics
@@ -42,11 +46,15 @@ class DevicePlan(NamedTuple):
         reads them."""
         return tuple(c for ly in self.layers for c in (ly.a_n, ly.g_n))
 
-    def finish_and_fold(self, mode: str, gamma: float, normalise: str) -> None:
+    def finish_and_fold(
+        self, mode: str, gamma: float, normalise: str, counts: tuple[float, ...] | None = None
+    ) -> None:
         """Finishes the layers' merged sums of one process and folds them, replayed as
         a CUDA graph where the same counts and fold repeat
-        (:mod:`~hf_triaccel.curvature.replay`)."""
-        counts = self.counts()
+        (:mod:`~hf_triaccel.curvature.replay`); ``counts`` as :meth:`counts` gives them
+        (read from the layers when ``None``)."""
+        if counts is None:
+            counts = self.counts()
 
         def run() -> None:
             self.finish(counts)
@@ -66,6 +74,39 @@ def device_plan(layers: list[LayerFactors], impl: str | None) -> DevicePlan:
     useds = [t for ly in layers for t in (ly.a, ly.g)]
     fold = FactorFold(emas, news, useds, impl=impl)
     return DevicePlan(layers, FinishPlan(items), fold, Replay(emas[0].device))
+
+
+class FoldPlans:
+    """The :class:`DevicePlan` objects of each set of ready layers (usually all of them),
+    made on first use and kept until a tensor moves (``generation`` changes).
+
+    Example:
+        >>> from hf_triaccel.curvature.collector import FisherCollector
+        >>> layers = list(FisherCollector(torch.nn.Linear(3, 2)).layers.values())
+        >>> plans = FoldPlans(impl=None)
+        >>> plans(layers, 0) is plans(layers, 0), plans(layers, 0) is plans(layers, 1)
+        (True, False)
+    """
+
+    def __init__(self, impl: str | None) -> None:
+        self.impl = impl
+        self.generation = 0
+        self.plans: dict[tuple[str, ...], list[DevicePlan]] = {}
+
+    def __call__(self, ready: list[LayerFactors], generation: int) -> list[DevicePlan]:
+        if generation != self.generation:
+            self.generation, self.plans = generation, {}
+        key = tuple(ly.name for ly in ready)
+        plans = self.plans.get(key)
+        if plans is None:
+            by_device: dict[torch.device, list[LayerFactors]] = {}
+            for ly in ready:
+                by_device.setdefault(ly.a_ema.device, []).append(ly)
+            if len(self.plans) >= _MAX_FOLD_SETS:
+                del self.plans[next(iter(self.plans))]
+            plans = [device_plan(layers, self.impl) for layers in by_device.values()]
+            self.plans[key] = plans
+        return plans
 
 
 def fold_step(

@@ -14,18 +14,17 @@ gets the slice of its factors that its local rows read
 
 A refresh step runs the hooks of every layer, so they are kept to the device work
 itself: each writes its sums into a preallocated buffer of the layer
-(:class:`~hf_triaccel.curvature.layer.LayerFactors`) through its rule, with no host
-synchronisation or per-call shape arithmetic once a layer has seen its input's shape and
-strides; the built-in rules' reductions are queued and launched together
-(:mod:`~hf_triaccel.curvature.batching`). Everything else is left to
-:meth:`FisherCollector.fold`, once per refresh, in batched operations over all layers:
-merging the micro-batches' sums, adding them over processes,
-the finish that makes statistics of them (means, squares of sums, constant entries:
-:mod:`~hf_triaccel.curvature.finish`) and the loss scale.
+(:class:`~hf_triaccel.curvature.layer.LayerFactors`) through its rule, the built-in
+rules' reductions queued and launched together (:mod:`~hf_triaccel.curvature.batching`),
+and a step that repeats the one before it is replayed (:mod:`~hf_triaccel.curvature.steady`).
+Everything else is left to :meth:`FisherCollector.fold`, once per refresh, in batched
+operations over all layers: merging the micro-batches' sums, adding them over processes,
+the finish (:mod:`~hf_triaccel.curvature.finish`) and the loss scale.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from typing import Any
@@ -34,12 +33,13 @@ import torch
 from torch import nn
 
 from hf_triaccel._types import DEFAULT_FACTOR_INIT, EMA_MODES, FACTOR_INITS, ParamFactors
-from hf_triaccel.curvature.averaging import DevicePlan, device_plan, fold_step
+from hf_triaccel.curvature.averaging import FoldPlans, fold_step, world_size
 from hf_triaccel.curvature.batching import GRADIENT_BYTES_PER_PARAMETER, RefreshBatches
 from hf_triaccel.curvature.hooks import ActivationHook, LayerHook, OutputHook
 from hf_triaccel.curvature.layer import LayerFactors
 from hf_triaccel.curvature.rules import FisherRule, rule_for
 from hf_triaccel.curvature.sharding import local_factors, local_rows
+from hf_triaccel.curvature.steady import SteadyRefresh
 
 # Sets of ready layers whose folds are kept: all layers, usually; a model whose layers
 # take turns (a mixture of experts) must not pile up folds.
@@ -109,8 +109,7 @@ class FisherCollector:
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.generation = 0
         self.layers: dict[str, LayerFactors] = {}
-        # the folds of each set of ready layers, valid for the generation they were made in
-        self._fold_cache: tuple[int, dict[tuple[str, ...], list[DevicePlan]]] = (0, {})
+        self._fold_plans = FoldPlans(impl)  # the folds of each set of ready layers
         unknown = set(exclude) - {n for n, _ in model.named_modules()}
         if unknown:
             raise ValueError(f"exclude names modules the model does not have: {sorted(unknown)}")
@@ -122,6 +121,7 @@ class FisherCollector:
             self._add_layer(name, module, rule, owned)
         budget = GRADIENT_BYTES_PER_PARAMETER * sum(p.numel() for p in self._params())
         self.batches = RefreshBatches(budget)  # the statistics the hooks queue
+        self.steady = SteadyRefresh(self)  # refresh steps recorded and replayed
         self._model_ref: Any = weakref.ref(model)
         self._collecting = True
         self._attached = False
@@ -297,49 +297,50 @@ class FisherCollector:
         scale from the gradient statistics, and resets the accumulators. Layers that saw
         no complete forward/backward since the last fold keep their factors.
         """
+        replayed = self.steady.before_fold()
         self.batches.flush()
-        ready = [ly for ly in self.layers.values() if ly.a_count and ly.g_count]
-        if ready:
-            self._fold_ready(ready, gamma, normalise)
+        if replayed is not None and self.grad_scaler is None and world_size() == 1:
+            # one micro-batch, counted by the replay: nothing to merge or reset
+            plans = functools.partial(self._fold_plans, generation=self.generation)
+            replayed.fold_factors(plans, self.ema, gamma, normalise)
+        else:
+            if replayed is not None:
+                replayed.add_counts()  # for the fold to sum over processes, or to scale
+            ready = [ly for ly in self.layers.values() if ly.a_count and ly.g_count]
+            if ready:
+                self._fold_ready(ready, gamma, normalise)
+            for ly in self.layers.values():
+                ly.reset()
+        self.steady.after_fold()
+
+    def discard(self) -> None:
+        """Forgets the statistics gathered since the last fold, queued or taken (a failed
+        attempt's, which the step runs again).
+
+        Example:
+            >>> model = nn.Linear(3, 2)
+            >>> collector = FisherCollector(model)
+            >>> model(torch.ones(1, 3)).sum().backward()
+            >>> collector.discard()
+            >>> collector.layers[""].a_count
+            0
+        """
+        self.batches.clear()
+        self.steady.abandon()
         for ly in self.layers.values():
             ly.reset()
 
     def _fold_ready(self, ready: list[LayerFactors], gamma: float, normalise: str) -> None:
-        scaler = self.grad_scaler
+        scaler, plans = self.grad_scaler, self._fold_plans(ready, self.generation)
         scale = None
         if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
             scale = scaler._scale
-        fold_step(ready, self._plans(ready), self.ema, gamma, normalise, scale)
-
-    def _plans(self, ready: list[LayerFactors]) -> list[DevicePlan]:
-        """Per device, the ``ready`` layers, the finish of their statistics and their fold:
-        the fold's one cache, kept per set of ready layers (usually all of them) until a
-        tensor moves."""
-        if self._fold_cache[0] != self.generation:
-            self._fold_cache = (self.generation, {})
-        plans = self._fold_cache[1]
-        key = tuple(ly.name for ly in ready)
-        if key not in plans:
-            by_device: dict[torch.device, list[LayerFactors]] = {}
-            for ly in ready:
-                by_device.setdefault(ly.a_ema.device, []).append(ly)
-            if len(plans) >= _MAX_FOLD_SETS:
-                del plans[next(iter(plans))]
-            plans[key] = [device_plan(layers, self.impl) for layers in by_device.values()]
-        return plans[key]
+        fold_step(ready, plans, self.ema, gamma, normalise, scale)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Running factors by layer name (accumulators are not saved: a checkpoint is
         taken between optimizer steps, when they are empty)."""
-        return {
-            name: {
-                "a": ly.a_ema.clone(),
-                "g": ly.g_ema.clone(),
-                "a_used": ly.a.clone(),
-                "g_used": ly.g.clone(),
-            }
-            for name, ly in self.layers.items()
-        }
+        return {name: ly.factor_state() for name, ly in self.layers.items()}
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Restores factors saved by :meth:`state_dict`; layer names must match."""
@@ -351,20 +352,13 @@ class FisherCollector:
                 f"unexpected {sorted(extra)[:5]}"
             )
         for name, ly in self.layers.items():
-            entry = state[name]
-            for key, dst in (("a", ly.a_ema), ("g", ly.g_ema), ("a_used", ly.a), ("g_used", ly.g)):
-                src = entry[key]
-                if src.shape != dst.shape:
-                    raise ValueError(
-                        f"factor {key!r} of layer {name!r} has shape {tuple(src.shape)}, "
-                        f"expected {tuple(dst.shape)}"
-                    )
-                dst.copy_(src)
+            ly.load_factor_state(state[name])
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the folds (they hold this collector's addresses), with the model,
         so that a copy hooks the copy of the model."""
-        state = {k: v for k, v in vars(self).items() if k not in ("_fold_cache", "_model_ref")}
+        skip = ("_fold_plans", "_model_ref", "steady")
+        state = {k: v for k, v in vars(self).items() if k not in skip}
         state["batches"] = RefreshBatches(self.batches.gradients.budget)  # nothing queued
         state["model"] = self._model_ref()
         return state
@@ -372,9 +366,11 @@ class FisherCollector:
     def __setstate__(self, state: dict[str, Any]) -> None:
         model = state.pop("model")
         state.setdefault("factor_init", "ones")  # pickled before the setting existed
-        state.setdefault("batches", RefreshBatches())  # ... or before statistics batches
+        batches = state.pop("batches", None)  # empty; None: pickled before there were any
         self.__dict__.update(state)
-        self._fold_cache = (0, {})
+        self.batches = RefreshBatches(0 if batches is None else batches.gradients.budget)
+        self._fold_plans = FoldPlans(self.impl)
+        self.steady = SteadyRefresh(self)  # a recording holds the original's buffers
         self._model_ref = _no_model if model is None else weakref.ref(model)
         self._unregister()  # the copied modules hold inert stand-ins of the original's hooks
         if self._attached:

@@ -2,12 +2,14 @@
 
 :class:`ActivationHook` (a forward pre-hook) writes the activation sums of a layer's
 input into a slot; :class:`OutputHook` (a forward hook on the layer, or on the
-submodule whose output gradient the rule reads) pairs that slot with the gradient of
-the output, which confirms it; :class:`LayerHook` does both, for a layer whose own
-output gradient is read. The
+submodule whose output gradient the rule reads) registers on the output the gradient
+hook (:class:`GradientTake`) that confirms that slot and takes the gradient sums;
+:class:`LayerHook` does both, for a layer whose own output gradient is read. The
 :class:`~hf_triaccel.curvature.collector.FisherCollector` registers them before the
 forward of a refresh step and removes them after its fold, so that ordinary steps run
-the model unhooked.
+the model unhooked. A refresh step that repeats the one before it is replayed
+(:mod:`~hf_triaccel.curvature.steady`): the hooks ask the replay first, and its forwards
+get a :class:`ReplayedGradient` instead.
 
 A copy of the model alone (an EMA or teacher copy) must not feed the collector: copied
 or pickled, a hook becomes an :class:`InertHook`, which does nothing. A collector copied
@@ -134,15 +136,17 @@ class ActivationHook(_StatisticsHook):
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        pending = self.take(module, args, kwargs)
-        if pending is not None:
-            self.layer.pending_a.append(pending)
+        taken = self.take(module, args, kwargs)
+        if taken is not None:
+            self.layer.pending_a.append(taken)
 
     def take(
         self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
-    ) -> PendingStatistic | None:
-        """Takes the activation sums of this forward's input; returns their pending
-        record, or ``None`` when this forward takes no statistic."""
+    ) -> PendingStatistic | ReplayedGradient | None:
+        """Takes the activation sums of this forward's input; returns what waits for the
+        gradient of its output (the pending record, or the gradient hook of a replayed
+        step: :mod:`~hf_triaccel.curvature.steady`), or ``None`` when this forward takes
+        no statistic."""
         layer = self.layer
         # a shallow copy of the model shares the hook dicts: ignore the copy's calls
         if module is not layer.module or not torch.is_grad_enabled():
@@ -156,15 +160,29 @@ class ActivationHook(_StatisticsHook):
         if anchor is None:  # a parametrised or replaced parameter
             anchor = getattr(module, layer.anchor)
         device = anchor.device
-        if layer.follow(device):
-            collector.generation += 1  # whoever cached the factors' addresses
         # an input the forward keeps anyway can wait for the backward, with the others
         kept = self.saved and _kept(hooked, x, device.type)
-        previous = activate(collector.batches.activations if kept else None)
+        replayed = collector.steady.forward(layer, x, device, kept)
+        if replayed is not None:
+            return replayed
+        if layer.follow(device):
+            collector.generation += 1  # whoever cached the factors' addresses
+        batches = collector.batches
+        x = x.detach()
+        recorder = batches.now.recorder
+        if recorder is not None:
+            recorder.activation(layer, x, device, kept)
+        batch = batches.activations if kept else batches.now
+        previous = activate(batch)
         try:
-            return layer.take_activation(module, x.detach(), collector.impl)
+            pending = layer.take_activation(module, x, collector.impl)
         finally:
             activate(previous)
+        if not kept:
+            batch.flush()
+        if recorder is not None:
+            recorder.taken(pending)
+        return pending
 
 
 class OutputHook(_StatisticsHook):
@@ -181,29 +199,25 @@ class OutputHook(_StatisticsHook):
         layer = self.layer
         if module is not layer.output_module or not layer.pending_a:
             return
-        self.confirm_on_gradient(layer.pending_a.pop(), output)
+        self.on_gradient(layer.pending_a.pop(), output)
 
-    def confirm_on_gradient(self, pending: PendingStatistic, output: Any) -> None:
-        """Registers on ``output`` the gradient hook that confirms ``pending`` and takes the
-        gradient sums (nothing for an output without gradient)."""
+    def on_gradient(self, taken: PendingStatistic | ReplayedGradient, output: Any) -> None:
+        """Registers on ``output`` the gradient hook that confirms ``taken`` (what
+        :meth:`ActivationHook.take` returned) and takes the gradient sums (nothing for an
+        output without gradient)."""
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
-        layer, impl, batches = self.layer, self.collector.impl, self.collector.batches
-
-        def take(grad: torch.Tensor) -> None:
-            batches.backward_started()
-            layer.confirm(pending)
-            if grad.requires_grad:  # a backward that builds a graph (create_graph)
-                grad = grad.detach()
-            previous = activate(batches.gradients)
-            try:
-                layer.take_gradient(grad, impl)
-            finally:
-                activate(previous)
-            batches.gradient_taken()
-
         node = output.grad_fn
-        if node is None or torch.compiler.is_compiling():
+        tensor_hook = node is None or torch.compiler.is_compiling()
+        if not isinstance(taken, PendingStatistic):  # a replayed step's
+            if tensor_hook:
+                output.register_hook(taken.take)
+                return
+            taken.output = output.output_nr
+            node.register_prehook(taken)
+            return
+        take = GradientTake(self.collector, self.layer, taken)
+        if tensor_hook:
             output.register_hook(take)
             return
         # A hook on the node that computes the output's gradient costs less host time
@@ -234,6 +248,87 @@ class LayerHook(ActivationHook, OutputHook):
     __slots__ = ()
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any):
-        pending = self.take(module, args, kwargs)
-        if pending is not None:
-            self.confirm_on_gradient(pending, output)
+        taken = self.take(module, args, kwargs)
+        if taken is not None:
+            self.on_gradient(taken, output)
+
+
+class GradientTake:
+    """The gradient hook of one forward: confirms its pending activation sums and takes
+    the gradient sums of its output.
+
+    Example:
+        >>> from hf_triaccel.curvature.collector import FisherCollector
+        >>> collector = FisherCollector(nn.Linear(3, 2))
+        >>> layer = collector.layers[""]
+        >>> pending = layer.take_activation(layer.module, torch.ones(4, 3), None)
+        >>> GradientTake(collector, layer, pending)(torch.ones(4, 2))
+        >>> layer.a_count, layer.g_count, layer.g_n
+        (1, 1, 4.0)
+        >>> collector.detach()
+    """
+
+    __slots__ = ("collector", "layer", "pending")
+
+    def __init__(
+        self, collector: FisherCollector, layer: LayerFactors, pending: PendingStatistic
+    ) -> None:
+        self.collector = collector
+        self.layer = layer
+        self.pending = pending
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.pending.slot < 0:
+            return  # a forward of a step already folded
+        layer, batches = self.layer, self.collector.batches
+        detach = grad.requires_grad  # a backward that builds a graph (create_graph)
+        if detach:
+            grad = grad.detach()
+        recorder = batches.gradients.recorder
+        if recorder is not None:
+            recorder.gradient(layer, grad, detach, self.pending)
+        started = batches.backward_started()
+        layer.confirm(self.pending)
+        previous = activate(batches.gradients)
+        try:
+            count = layer.take_gradient(grad, self.collector.impl)
+        finally:
+            activate(previous)
+        batches.gradient_taken()
+        if recorder is not None:
+            recorder.counted(count, started)
+
+
+class ReplayedGradient:
+    """The gradient hook of a forward taken by a replayed refresh step
+    (:mod:`~hf_triaccel.curvature.steady`), on the node that computes the output's
+    gradient (:meth:`take` on the output itself, where there is no such node): the
+    replay takes the gradient; once the step has left the replay, :class:`GradientTake`
+    takes it, with the ``pending`` record the replay handed over.
+
+    ``step`` is the replayed step's token: a gradient that arrives after its step's
+    fold (a graph kept and run backward again) is not taken, its sums already folded.
+    """
+
+    __slots__ = ("steady", "layer", "index", "step", "output", "pending")
+
+    def __init__(self, steady: Any, layer: LayerFactors, index: int, step: object) -> None:
+        self.steady = steady
+        self.layer = layer
+        self.index = index  # of the forward's event in the recording
+        self.step = step
+        self.output = 0  # which of the node's outputs
+        self.pending: PendingStatistic | None = None
+
+    def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        grad = grads[self.output]
+        if grad is None:  # no gradient reached this output
+            return
+        if self.pending is None and self.steady.gradient(self, grad):
+            return
+        if self.pending is not None:
+            GradientTake(self.steady.collector, self.layer, self.pending)(grad)
+
+    def take(self, grad: torch.Tensor) -> None:
+        """The hook on the output tensor itself."""
+        self((grad,))

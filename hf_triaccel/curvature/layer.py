@@ -32,7 +32,8 @@ class PendingStatistic:
     """One forward's activation sums, from the forward until its gradient arrives.
 
     The layer keeps only a weak reference: once the autograd graph that would have
-    delivered the gradient is gone, so is this record, and its slot is free again.
+    delivered the gradient is gone, so is this record, and its slot is free again. A
+    record whose step was folded first has ``slot`` -1 (:meth:`LayerFactors.reset`).
     """
 
     __slots__ = ("slot", "count", "__weakref__")
@@ -182,11 +183,14 @@ class LayerFactors:
         self.a_count += 1
         self.a_n += pending.count
 
-    def take_gradient(self, grad: torch.Tensor, impl: str | None) -> None:
-        """Adds the gradient sums of one output gradient to ``g_stat``."""
+    def take_gradient(self, grad: torch.Tensor, impl: str | None) -> float:
+        """Adds the gradient sums of one output gradient to ``g_stat``; returns what they
+        ran over."""
         accumulate = self.g_count > 0
-        self.g_n += self.rule.g_write(self.module, grad, self.g_stat, accumulate, impl, self.cache)
+        count = self.rule.g_write(self.module, grad, self.g_stat, accumulate, impl, self.cache)
+        self.g_n += count
         self.g_count += 1
+        return count
 
     def statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``a`` and ``g`` statistics of the micro-batches gathered since the last
@@ -212,6 +216,32 @@ class LayerFactors:
         FinishPlan([(self.a_finish, sums, a), (self.g_finish, g, g)])([self.a_n, self.g_n])
         return a, g
 
+    def factor_state(self) -> dict[str, torch.Tensor]:
+        """Copies of the running factors (``a``, ``g``) and of those the preconditioner
+        reads (``a_used``, ``g_used``)."""
+        return {
+            "a": self.a_ema.clone(),
+            "g": self.g_ema.clone(),
+            "a_used": self.a.clone(),
+            "g_used": self.g.clone(),
+        }
+
+    def load_factor_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copies :meth:`factor_state`'s tensors into the factors."""
+        for key, dst in (
+            ("a", self.a_ema),
+            ("g", self.g_ema),
+            ("a_used", self.a),
+            ("g_used", self.g),
+        ):
+            src = state[key]
+            if src.shape != dst.shape:
+                raise ValueError(
+                    f"factor {key!r} of layer {self.name!r} has shape {tuple(src.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            dst.copy_(src)
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.update(cache={}, pending_a=[], owners=[None] * len(self.slots))
@@ -221,9 +251,17 @@ class LayerFactors:
         self.__dict__.update(state)
 
     def reset(self) -> None:
-        """Forgets the statistics gathered since the last fold (slots of forwards still
-        waiting for their gradient stay reserved)."""
+        """Forgets the statistics gathered since the last fold. A forward still waiting
+        for its gradient is forgotten too: a statistic counts in the step (from one fold
+        to the next) that saw both its forward and its gradient, so every slot is free
+        again."""
         self.a_count = self.g_count = 0
         self.a_n = self.g_n = 0.0
         self.confirmed.clear()
         self.pending_a.clear()
+        if any(self.owners):
+            for i, owner in enumerate(self.owners):
+                pending = None if owner is None else owner()
+                if pending is not None:
+                    pending.slot = -1  # its gradient, if it still comes, is not taken
+                self.owners[i] = None

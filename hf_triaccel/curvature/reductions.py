@@ -134,15 +134,14 @@ def reducer(
 
         if v.data_ptr() == example.data_ptr():  # a view, not a copy
             launch = reduction_launch(v, square, tail)
-            if launch is not None and launch.rows is not None:
-                # a row sum can wait in the active batch (hf_triaccel.curvature.batching)
-                return functools.partial(queue_or_launch, launch)
             if launch is not None:
-                return launch  # reads each input where it is
+                # reads each input where it is; a row sum can wait in the active batch
+                # (hf_triaccel.curvature.batching), which launches the others at once
+                return functools.partial(queue_or_launch, launch)
         launch = reduction_launch(v.contiguous(), square, tail)
 
         def copied(x: torch.Tensor, out: torch.Tensor, scale=1.0, accumulate=False) -> None:
-            launch(view(x).contiguous(), out, scale, accumulate)
+            queue_or_launch(launch, view(x).contiguous(), out, scale, accumulate)
 
         return copied
     dims = 0 if len(shape) == 2 else (0, 2)

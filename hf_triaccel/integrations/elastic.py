@@ -61,7 +61,7 @@ class FisherStatisticsRollback:
     this, the re-run would count them again. The collector gathers an optimizer step's
     statistics from its first micro-batch and forgets them at each fold, so a step that
     starts with nothing gathered is restored by forgetting everything gathered since
-    (``LayerFactors.reset``). Costs one pass over the layers' counters per step.
+    (``FisherCollector.discard``). Costs one pass over the layers' counters per step.
 
     Example:
         >>> from torch import nn
@@ -85,9 +85,7 @@ class FisherStatisticsRollback:
                 "Fisher statistics from before this step are present: the step cannot be "
                 "re-run exactly. Let the controller own gradient accumulation."
             )
-        self.collector.batches.clear()  # what the failed attempt queued, and holds
-        for ly in self.collector.layers.values():
-            ly.reset()
+        self.collector.discard()  # what the failed attempt queued, and holds
 
 
 class ElasticBatchState(TrainerCallback, ExportableState):

@@ -92,6 +92,14 @@ class FisherRule:
         tensor([4.])
     """
 
+    #: Whether every write of the rule goes through :mod:`~hf_triaccel.curvature.batching`
+    #: (``queue_or_launch``, ``gather_or_mm``, ``then``) when the statistics run with
+    #: Triton, reading nothing of its input but through them: then a refresh step that
+    #: repeats the one before it may be replayed from a recording of those calls
+    #: (:mod:`~hf_triaccel.curvature.steady`). A rule that writes with its own tensor
+    #: operations must leave it ``False``.
+    replayable = False
+
     def sizes(self, module: nn.Module) -> tuple[int, int]:
         """Lengths of the (a, g) factor vectors."""
         raise NotImplementedError

@@ -247,6 +247,8 @@ class ConvRule(FisherRule):
         tensor([1.2500, 3.2500])
     """
 
+    replayable = True
+
     def sizes(self, module):
         d = module.in_channels // module.groups * math.prod(module.kernel_size)
         return d + (module.bias is not None), module.out_channels

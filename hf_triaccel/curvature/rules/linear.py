@@ -26,6 +26,8 @@ class LinearRule(FisherRule):
         (4, 2)
     """
 
+    replayable = True
+
     def sizes(self, module):
         return module.in_features + (module.bias is not None), module.out_features
 

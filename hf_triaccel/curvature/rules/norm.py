@@ -191,6 +191,8 @@ class ChannelNormRule(NormRule):
         tensor([4., 4.])
     """
 
+    replayable = True
+
     def input_saved(self, module):
         # BatchNorm keeps its input as given; GroupNorm under autocast keeps a float32 copy
         return isinstance(module, nn.modules.batchnorm._BatchNorm)
