@@ -88,7 +88,7 @@ def test_collector_through_graphs_equals_eager(ema, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(replay_module, "capturable", lambda device: False)
         refreshes(copies[1], collectors[1], 5)
-    plans = next(iter(collectors[0]._fold_cache[1].values()))
+    plans = next(iter(collectors[0]._fold_plans.plans.values()))
     assert plans[0].replay.graphs, "the fold was never captured"
     for name, layer in collectors[0].layers.items():
         other = collectors[1].layers[name]

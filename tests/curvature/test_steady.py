@@ -70,6 +70,19 @@ def test_replayed_refreshes_give_the_general_path_s_factors(autocast, channels_l
     assert general.steady.replayed == 0
 
 
+def test_replayed_refreshes_of_a_token_model_give_the_general_path_s_factors():
+    """Layer norms and Linear layers over (batch, tokens, features), as in a transformer."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2))
+    replaying, general, twin = twins(model)
+    for _ in range(3):
+        x, w = torch.randn(2, 5, 4), torch.randn(2, 5, 2)
+        step(model, replaying, x, w)
+        step(twin, general, x, w)
+        assert_same_factors(replaying, general)
+    assert replaying.steady.replayed == 2
+
+
 def _another_batch_size(model, collector):
     x, w = batch(n=5)
     step(model, collector, x, w)

@@ -151,6 +151,8 @@ class NormRule(FisherRule):
     subclasses give ``g``'s sums (over the batch, squared once per step: ``SquareMean``)
     and how many entries of dim 1 the ``a`` sums keep."""
 
+    replayable = True
+
     def sizes(self, module):
         return 2, affine_numel(module)
 
@@ -190,8 +192,6 @@ class ChannelNormRule(NormRule):
         >>> g_statistic(ChannelNormRule(), nn.BatchNorm1d(2), torch.ones(4, 2))  # 4^2 / 4
         tensor([4., 4.])
     """
-
-    replayable = True
 
     def input_saved(self, module):
         # BatchNorm keeps its input as given; GroupNorm under autocast keeps a float32 copy
