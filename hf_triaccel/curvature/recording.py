@@ -170,6 +170,14 @@ class Program:
         self.ready: list[LayerFactors] = []  # the counted layers, in the collector's order
         self.plans: list | None = None  # the collector's fold plans of ready, once asked
         self._plan_counts: list[tuple[float, ...]] = []  # what each of them reads
+        # each tensor is let go by the last action that reads it, in the order they run
+        last: dict[int, _Action] = {}
+        for actions in self.in_order():
+            for action in actions:
+                for source in action.sources():
+                    last[source] = action
+        for source, action in last.items():
+            action.release += (source,)
 
     def order(self, layers: list[LayerFactors]) -> None:
         """Puts :attr:`ready` in the order of ``layers`` (the collector's)."""
@@ -208,14 +216,6 @@ class Program:
             ]
         for plan, counts in zip(self.plans, self._plan_counts, strict=True):
             plan.finish_and_fold(mode, gamma, normalise, counts)
-        # each tensor is let go by the last action that reads it, in the order they run
-        last: dict[int, _Action] = {}
-        for actions in self.in_order():
-            for action in actions:
-                for source in action.sources():
-                    last[source] = action
-        for source, action in last.items():
-            action.release += (source,)
 
     def in_order(self, events: int = 0, ends: int = 0) -> list[list]:
         """The actions of every event from ``events`` on and every end from ``ends`` on,
