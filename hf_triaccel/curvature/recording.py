@@ -4,20 +4,19 @@
 event (by the hooks: :mod:`~hf_triaccel.curvature.hooks`) and what the collector's
 batches launch, queue and flush (by the batches: :mod:`~hf_triaccel.curvature.batching`);
 :meth:`Recorder.program` turns that into a :class:`Program`: per event, per backward end
-and for the fold, the launches to run on the tensors the replayed step's hooks keep
-(:mod:`~hf_triaccel.curvature.steady` runs it).
+and for the fold, what to run on the tensors the replayed step's hooks keep
+(:mod:`~hf_triaccel.curvature.actions`; :mod:`~hf_triaccel.curvature.steady` runs it).
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from hf_triaccel.curvature.actions import Action, Flush, Reduction
 from hf_triaccel.curvature.batching import StatisticsBatch
 from hf_triaccel.curvature.layer import LayerFactors, PendingStatistic
 
@@ -45,113 +44,6 @@ class _End:
     actions: list = field(default_factory=list)
 
 
-class _Action:
-    """Something a replay runs, given the step's tensors by event (``stash``); it lets go
-    of the tensors it was the last to read, as the general path's batches do."""
-
-    __slots__ = ("release",)
-
-    def __init__(self) -> None:
-        self.release: tuple[int, ...] = ()
-
-    def sources(self) -> list[int]:
-        return []
-
-    def run(self, stash: list) -> None:
-        raise NotImplementedError
-
-    def __call__(self, stash: list) -> None:
-        self.run(stash)
-        for source in self.release:
-            stash[source] = None
-
-
-class _Reduction(_Action):
-    """One reduction launched on one event's tensor."""
-
-    __slots__ = ("launch", "source", "out", "scale", "accumulate")
-
-    def __init__(self, launch, source, out, scale, accumulate) -> None:
-        super().__init__()
-        self.launch, self.source, self.out = launch, source, out
-        self.scale, self.accumulate = scale, accumulate
-
-    def sources(self) -> list[int]:
-        return [self.source]
-
-    def run(self, stash: list) -> None:
-        self.launch(stash[self.source], self.out, self.scale, self.accumulate)
-
-
-class _Grouped(_Action):
-    """Several reductions in one grouped launch (``GroupedSums``)."""
-
-    __slots__ = ("sums", "source_list")
-
-    def __init__(self, sums: Any, sources: list[int]) -> None:
-        super().__init__()
-        self.sums, self.source_list = sums, sources
-
-    def sources(self) -> list[int]:
-        return self.source_list
-
-    def run(self, stash: list) -> None:
-        self.sums([stash[s] for s in self.source_list])
-
-
-class _Flush(_Action):
-    """A batch's flush, as recorded: its launches, gathers and what followed, and, to
-    hand them over to the batch when a step leaves the replay before this flush, what
-    each event had queued."""
-
-    __slots__ = ("batch", "entries", "gathers", "after", "runs")
-
-    def __init__(self, batch: StatisticsBatch, entries: list, gathers: list, after: list):
-        from hf_triaccel.kernels import grouped  # only Triton's statistics are recorded
-
-        super().__init__()
-        self.batch, self.entries, self.gathers, self.after = batch, entries, gathers, after
-        groups: dict[tuple, list[tuple]] = {}
-        for entry in entries:  # grouped as StatisticsBatch.flush groups them
-            groups.setdefault(entry[5], []).append(entry)
-        self.runs: list[Any] = []
-        for key, group in groups.items():
-            if len(group) == 1:
-                self.runs.append(_Reduction(*group[0][:5]))
-                continue
-            device = group[0][2].device
-            sums = grouped.GroupedSums(key, [(e[0], e[2], e[3], e[4]) for e in group], device)
-            self.runs.append(_Grouped(sums, [e[1] for e in group]))
-        by_width: dict[int, list[tuple]] = {}
-        for sums, taps, out, _ in gathers:
-            by_width.setdefault(grouped.gather_key(taps), []).append((sums, taps, out))
-        self.runs += [grouped.gathers(width, group) for width, group in by_width.items()]
-        self.runs += [functools.partial(fn, *args) for fn, args, _ in after]
-
-    def sources(self) -> list[int]:
-        return [e[1] for e in self.entries]
-
-    def run(self, stash: list) -> None:
-        for run in self.runs:
-            if isinstance(run, _Action):
-                run.run(stash)
-            else:
-                run()
-
-    def hand_over(self, stash: list, taken: int) -> None:
-        """Queues in the batch what the events before ``taken`` queued for this flush."""
-        batch = self.batch
-        for launch, source, out, scale, accumulate, _ in self.entries:
-            if source < taken:
-                batch.add(launch, stash[source], out, scale, accumulate)
-        for sums, taps, out, source in self.gathers:
-            if source < taken:
-                batch.gather(sums, taps, out)
-        for fn, args, source in self.after:
-            if source < taken:
-                batch.then(fn, args)
-
-
 @dataclass(eq=False)
 class Program:
     """A recorded refresh step, ready to replay: its events, the backward ends and the
@@ -171,7 +63,7 @@ class Program:
         self.plans: list | None = None  # the collector's fold plans of ready, once asked
         self._plan_counts: list[tuple[float, ...]] = []  # what each of them reads
         # each tensor is let go by the last action that reads it, in the order they run
-        last: dict[int, _Action] = {}
+        last: dict[int, Action] = {}
         for actions in self.in_order():
             for action in actions:
                 for source in action.sources():
@@ -195,7 +87,7 @@ class Program:
         _add_counts(_count(self.events[:taken]))
         for actions in self.in_order(taken, ends):
             for action in actions:
-                if isinstance(action, _Flush):
+                if isinstance(action, Flush):
                     action.hand_over(stash, taken)
 
     def fold_factors(
@@ -324,9 +216,16 @@ class Recorder:
         if kind == "entries":
             lists[0].append(self._source(tensors[0]))
             return
-        if self.tensor is None or any(t is self.tensor for t in tensors):
-            self.refuse("a gather or step that reads its hook's tensor")
-        lists[1 if kind == "gathers" else 2].append(len(self.events) - 1)
+        index = len(self.events) - 1
+        at = tuple(i for i, t in enumerate(tensors) if t is self.tensor)
+        if self.tensor is None or (at and kind == "gathers"):
+            self.refuse("a gather outside a hook, or of its hook's tensor")
+        if kind == "gathers":
+            lists[1].append(index)
+            return
+        if at:  # a step that reads the hook's tensor (an embedding's row counts)
+            self.worked.add(index)
+        lists[2].append((index, at))
 
     def flushed(self, batch: StatisticsBatch, entries: list, gathers: list, after: list) -> None:
         e_src, g_src, a_src = self.sources.pop(id(batch), ([], [], []))
@@ -336,7 +235,10 @@ class Recorder:
         # the inputs are not kept: an event's tensor is named by its index
         entries = [(e[0], s, *e[2:]) for e, s in zip(entries, e_src, strict=True)]
         gathers = [(*g, s) for g, s in zip(gathers, g_src, strict=True)]
-        after = [(fn, args, s) for (fn, args), s in zip(after, a_src, strict=True)]
+        after = [
+            (fn, tuple(None if i in at else a for i, a in enumerate(args)), s, at)
+            for (fn, args), (s, at) in zip(after, a_src, strict=True)
+        ]
         self._record(("flush", batch, entries, gathers, after))
 
     def program(self) -> Program | None:
@@ -351,8 +253,8 @@ class Recorder:
         return Program(self.events, self.ends, self.fold, self.generation)
 
     @staticmethod
-    def _compiled(item: tuple) -> _Action:
-        return _Reduction(*item[1:]) if item[0] == "launch" else _Flush(*item[1:])
+    def _compiled(item: tuple) -> Action:
+        return Reduction(*item[1:]) if item[0] == "launch" else Flush(*item[1:])
 
 
 def _count(events: list[Event]) -> list[tuple]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hf_triaccel.curvature.collector import FisherCollector
+from hf_triaccel.curvature.rules import FisherRule, per_entry_layout, register_fisher_rule, registry
 from hf_triaccel.curvature.steady import MAX_MISSES
 from tests.curvature.test_collector import ResidualNet
 
@@ -201,14 +202,67 @@ def test_recording_stops_when_steps_keep_departing():
     assert collector.steady.misses == MAX_MISSES
 
 
-def test_a_rule_that_writes_its_own_statistics_is_not_replayed():
-    model = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 2))
+class Scale(nn.Module):
+    """y = weight * x, with a rule of its own (FisherRule's example)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.weight * x
+
+
+class ScaleRule(FisherRule):
+    """Writes its statistics with tensor operations of its own: not replayable."""
+
+    def sizes(self, module):
+        return 1, 4
+
+    def layouts(self, module):
+        return {"weight": per_entry_layout(4, 0)}
+
+    def a_write(self, module, x, out, impl, cache):
+        out[0] = x.float().square().sum()
+        return x.numel()
+
+    def g_write(self, module, grad, out, accumulate, impl, cache):
+        stat = grad.float().reshape(-1, 4).square().sum(0)
+        out.add_(stat) if accumulate else out.copy_(stat)
+        return grad.numel() // 4
+
+
+def test_a_rule_that_writes_its_own_statistics_is_not_replayed(monkeypatch):
+    monkeypatch.setattr(registry, "_RULES", dict(registry._RULES))
+    register_fisher_rule(Scale, ScaleRule())
+    model = nn.Sequential(nn.Linear(4, 4), Scale())
     collector = FisherCollector(model, impl="triton")
     for _ in range(2):
-        model(torch.randint(0, 7, (3,))).sum().backward()
+        model(torch.randn(3, 4)).sum().backward()
         collector.fold(GAMMA)
-    assert collector.steady.refused == "EmbeddingRule is not replayable"
+    assert collector.steady.refused == "ScaleRule is not replayable"
     assert not collector.steady.enabled and collector.steady.replayed == 0
+
+
+def test_replayed_refreshes_of_a_language_model_give_the_general_path_s_factors():
+    """Token embeddings, whose activation statistic counts the rows looked up (a step
+    that reads the hook's tensor), layer norms and Linear layers."""
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Embedding(11, 8), nn.LayerNorm(8), nn.Linear(8, 11))
+    replaying, general, twin = twins(model)
+    for _ in range(3):
+        ids, w = torch.randint(0, 11, (2, 5)), torch.randn(2, 5, 11)
+        step(model, replaying, ids, w)
+        step(twin, general, ids, w)
+        assert_same_factors(replaying, general)
+    assert replaying.steady.refused == ""
+    assert replaying.steady.replayed == 2
+    ids, w = torch.randint(0, 11, (2, 5)), torch.randn(2, 5, 11)
+    model(ids[:1])  # an evaluation forward first: the step leaves its replay
+    step(model, replaying, ids, w)
+    twin(ids[:1])
+    step(twin, general, ids, w)
+    assert_same_factors(replaying, general)
 
 
 def test_a_discarded_attempt_is_forgotten_and_the_step_replayed_again():

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_triaccel.curvature.batching import then
 from hf_triaccel.curvature.rules.base import FisherRule, in_out_layout
 from hf_triaccel.curvature.rules.plans import as_view, remember, sum_square_rows
 
@@ -34,6 +35,8 @@ class EmbeddingRule(FisherRule):
     def layouts(self, module):
         return {"weight": in_out_layout(module.num_embeddings, module.embedding_dim)}
 
+    replayable = True
+
     def a_write(self, module, x, out, impl, cache):
         key = ("a", x.shape)
         plan = cache.get(key)
@@ -41,9 +44,14 @@ class EmbeddingRule(FisherRule):
             n = x.numel()
             ones = torch.ones(n, dtype=torch.float32, device=x.device)
             plan = remember(cache, key, _EmbeddingPlan(ones, float(n)))
-        # index_add_ rather than bincount: bincount sizes its output on the host (a sync)
-        out.zero_().index_add_(0, as_view(x, (-1,)), plan.ones)
+        then(_count_rows, x, out, plan.ones)  # after the batch's sums (at once without one)
         return plan.count
 
     def g_write(self, module, grad, out, accumulate, impl, cache):
         return sum_square_rows(grad, out, accumulate, impl, cache, "g")
+
+
+def _count_rows(x: torch.Tensor, out: torch.Tensor, ones: torch.Tensor) -> None:
+    """Writes into ``out`` how many entries of ``x`` look up each row."""
+    # index_add_ rather than bincount: bincount sizes its output on the host (a sync)
+    out.zero_().index_add_(0, as_view(x, (-1,)), ones)
