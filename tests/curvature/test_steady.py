@@ -45,6 +45,18 @@ def assert_same_factors(a: FisherCollector, b: FisherCollector) -> None:
         assert (layer.a_count, layer.g_count) == (other.a_count, other.g_count), name
 
 
+def warmed_twins(seed: int) -> tuple[tuple, tuple]:
+    """(model, collector) of a ResidualNet and of its copy (:func:`twins`), after two
+    refresh steps on the same batches: the first collector's second step replayed."""
+    model = ResidualNet(inplace=True).to(memory_format=torch.channels_last)
+    replaying, general, twin = twins(model)
+    for m, collector in ((model, replaying), (twin, general)):
+        torch.manual_seed(seed)
+        for _ in range(2):
+            step(m, collector, *batch())
+    return (model, replaying), (twin, general)
+
+
 def batch(n: int = 3, channels_last: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(n, 3, 6, 6)
     if channels_last:
@@ -174,21 +186,15 @@ def test_a_step_that_departs_from_its_recording_gives_the_general_path_s_factors
 def test_a_gradient_after_its_step_s_fold_is_not_taken():
     """A graph kept past the fold and run backward again: its forward belongs to a step
     already folded, on the replay as on the general path."""
-    torch.manual_seed(2)
-    model = ResidualNet(inplace=True).to(memory_format=torch.channels_last)
-    replaying, general, twin = twins(model)
-    for m, collector in ((model, replaying), (twin, general)):
-        torch.manual_seed(3)
-        for _ in range(2):
-            x, w = batch()
-            step(m, collector, x, w)
-        x, w = batch()
+    pairs = warmed_twins(seed=3)
+    x, w = batch()
+    for m, collector in pairs:
         loss = (m(x) * w).sum()
         loss.backward(retain_graph=True)
         collector.fold(GAMMA)
         loss.backward()
         assert all(ly.a_count == ly.g_count == 0 for ly in collector.layers.values())
-    assert_same_factors(replaying, general)
+    assert_same_factors(pairs[0][1], pairs[1][1])
 
 
 def test_recording_stops_when_steps_keep_departing():
@@ -268,18 +274,13 @@ def test_replayed_refreshes_of_a_language_model_give_the_general_path_s_factors(
 def test_a_discarded_attempt_is_forgotten_and_the_step_replayed_again():
     """The elastic batch's rollback: an attempt's statistics are dropped mid-step, and
     the step's next attempt starts the replay again."""
-    torch.manual_seed(4)
-    model = ResidualNet(inplace=True).to(memory_format=torch.channels_last)
-    replaying, general, twin = twins(model)
-    for m, collector in ((model, replaying), (twin, general)):
-        torch.manual_seed(5)
-        for _ in range(2):
-            x, w = batch()
-            step(m, collector, x, w)
-        x, w = batch()
+    pairs = warmed_twins(seed=5)
+    x, w = batch()
+    for m, collector in pairs:
         m(x)  # the failed attempt: a forward, then out of memory
         collector.discard()
         step(m, collector, x, w)
+    (_, replaying), (_, general) = pairs
     assert_same_factors(replaying, general)
     assert replaying.steady.replayed == 2
 
