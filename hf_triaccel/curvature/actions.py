@@ -87,15 +87,8 @@ class Step(Action):
     def sources(self) -> list[int]:
         return [self.source]
 
-    def given(self, tensor: torch.Tensor) -> tuple:
-        """The step's arguments with ``tensor`` where the event's tensor was."""
-        args = list(self.args)
-        for i in self.at:
-            args[i] = tensor
-        return tuple(args)
-
     def run(self, stash: list) -> None:
-        self.fn(*self.given(stash[self.source]))
+        self.fn(*_given(self.args, self.at, stash[self.source]))
 
 
 class Flush(Action):
@@ -151,4 +144,12 @@ class Flush(Action):
                 batch.gather(sums, taps, out)
         for fn, args, source, at in self.after:
             if source < taken:
-                batch.then(fn, Step(fn, args, source, at).given(stash[source]))
+                batch.then(fn, _given(args, at, stash[source]))
+
+
+def _given(args: tuple, at: tuple[int, ...], tensor: torch.Tensor) -> tuple:
+    """``args`` with ``tensor`` at the positions ``at`` (where an event's tensor was)."""
+    args = list(args)
+    for i in at:
+        args[i] = tensor
+    return tuple(args)

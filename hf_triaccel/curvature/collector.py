@@ -41,10 +41,6 @@ from hf_triaccel.curvature.rules import FisherRule, rule_for
 from hf_triaccel.curvature.sharding import local_factors, local_rows
 from hf_triaccel.curvature.steady import SteadyRefresh
 
-# Sets of ready layers whose folds are kept: all layers, usually; a model whose layers
-# take turns (a mixture of experts) must not pile up folds.
-_MAX_FOLD_SETS = 8
-
 # model -> its collector; weak, and outside the model so that copies of the model
 # (EMA or teacher copies) do not carry it
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, FisherCollector] = weakref.WeakKeyDictionary()
