@@ -79,15 +79,22 @@ def _saved_tensors_hooked() -> bool | None:
     return None if query is None else query(False) is not None
 
 
-def _kept(hooked: bool | None, x: torch.Tensor, device_type: str) -> bool:
+# a device's type, by device: torch builds the string anew at each ``device.type``
+_DEVICE_TYPES: dict[torch.device, str] = {}
+
+
+def _kept(hooked: bool | None, x: torch.Tensor, device: torch.device) -> bool:
     """Whether a forward whose rule keeps its input for the backward
     (:meth:`~hf_triaccel.curvature.rules.FisherRule.input_saved`) keeps ``x`` itself:
-    autocast (for ``device_type``, where the layer computes) does not cast it first, and
-    no saved-tensor hooks (activation checkpointing, offloading) take what the forward
-    saves elsewhere (``hooked``: what :func:`_saved_tensors_hooked` says; unknown, the
-    statistic is taken at once)."""
+    autocast (for ``device``'s type, where the layer computes) does not cast it first,
+    and no saved-tensor hooks (activation checkpointing, offloading) take what the
+    forward saves elsewhere (``hooked``: what :func:`_saved_tensors_hooked` says; unknown,
+    the statistic is taken at once)."""
     if hooked is not False:
         return False
+    device_type = _DEVICE_TYPES.get(device)
+    if device_type is None:
+        device_type = _DEVICE_TYPES[device] = device.type
     return not torch.is_autocast_enabled(device_type) or (
         x.dtype == torch.get_autocast_dtype(device_type)
     )
@@ -161,7 +168,7 @@ class ActivationHook(_StatisticsHook):
             anchor = getattr(module, layer.anchor)
         device = anchor.device
         # an input the forward keeps anyway can wait for the backward, with the others
-        kept = self.saved and _kept(hooked, x, device.type)
+        kept = self.saved and _kept(hooked, x, device)
         replayed = collector.steady.forward(layer, x, device, kept)
         if replayed is not None:
             return replayed
