@@ -139,6 +139,9 @@ class FinishPlan:
             else:
                 raise TypeError(f"no batched finish for {type(finish).__name__}")
         self.device_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # the last host counts and their multipliers: a step that counts what the one
+        # before it counted (every step of a steady run) reuses them
+        self.host_terms: tuple[tuple[float, ...], list[float]] = ((), [])
 
     def _scale(self, index: int, t: torch.Tensor, scale: float, power: int) -> None:
         self.scaled.append(t)
@@ -148,7 +151,11 @@ class FinishPlan:
         """``scale / n**power`` per scaled tensor: Python floats from host counts, or 0-dim
         tensors computed on the device from a device vector of counts (no host sync)."""
         if not isinstance(counts, torch.Tensor):
-            return [scale * inverse(counts[i]) ** power for i, scale, power in self.terms]
+            counts = tuple(counts)
+            if counts != self.host_terms[0]:
+                terms = self.terms
+                self.host_terms = (counts, [s * inverse(counts[i]) ** p for i, s, p in terms])
+            return self.host_terms[1]
         if self.device_terms is None:
             index, scales, powers = zip(*self.terms, strict=True)
             device = counts.device

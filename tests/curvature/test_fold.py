@@ -136,3 +136,24 @@ def test_unknown_normalisation_is_refused():
         FactorFold([x], [x], [x], impl="reference")("paper", 0.5, "scaled")
     with pytest.raises(ValueError, match="normalise='scaled'"):
         fold_factors([x], [x], [x], "paper", 0.5, normalise="scaled")
+
+
+def test_a_finish_plan_follows_its_counts():
+    """The multipliers of the last counts are kept for a step that counts the same: a
+    step with other counts must not reuse them."""
+    from hf_triaccel.curvature.finish import FinishPlan, Mean, SquareMean
+
+    def finished(counts_seq):
+        a, g = torch.tensor([3.0, 9.0, 0.0]), torch.tensor([3.0])
+        plan = FinishPlan([(Mean(last=1.0), a, a), (SquareMean(), g, g)])
+        for counts in counts_seq:
+            a.copy_(torch.tensor([3.0, 9.0, 0.0]))
+            g.copy_(torch.tensor([3.0]))
+            plan(counts)
+        return a, g
+
+    for first, then in (([3.0, 3.0], [2.0, 4.0]), ([2.0, 4.0], [2.0, 4.0])):
+        a, g = finished([first, then])
+        fresh_a, fresh_g = finished([then])
+        assert torch.equal(a, fresh_a) and torch.equal(g, fresh_g)
+    assert torch.equal(finished([[3.0, 3.0], [2.0, 4.0]])[0], torch.tensor([1.5, 4.5, 1.0]))
