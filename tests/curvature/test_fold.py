@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_triaccel.curvature.finish import FinishPlan, Mean, SquareMean
 from hf_triaccel.curvature.fold import FactorFold, fold_factors, fold_reference, minmax_normalise
 
 TINY = torch.finfo(torch.float32).tiny
@@ -141,7 +142,6 @@ def test_unknown_normalisation_is_refused():
 def test_a_finish_plan_follows_its_counts():
     """The multipliers of the last counts are kept for a step that counts the same: a
     step with other counts must not reuse them."""
-    from hf_triaccel.curvature.finish import FinishPlan, Mean, SquareMean
 
     def finished(counts_seq):
         a, g = torch.tensor([3.0, 9.0, 0.0]), torch.tensor([3.0])
