@@ -13,8 +13,9 @@ The mixin works through the Trainer's own extension points:
 * the hooks: the Fisher collector is attached while ``train()`` runs and detached when
   it returns, with the controllers (a later ``train()`` rebuilds them, the optimizer
   state carried over);
-* the elastic batch (``training_step``, ``prediction_step``), telemetry and reports
-  (callbacks), and the device image loader (``get_*_dataloader``);
+* the step: ``training_step`` and the clipping without walks over the model that repeat
+  an answer (:mod:`.trainer_step`), or the elastic batch's (``training_step``,
+  ``prediction_step``); telemetry and reports (callbacks); the device image loader;
 * the layout: conv models and their image batches in channels_last (:mod:`.layout`),
   ``save_model`` (checkpoints, Hub pushes) writing contiguous weights;
 * ``torch_compile``: refresh steps run the eager module (:mod:`.compiled`), the
@@ -64,6 +65,7 @@ from hf_triaccel.integrations.trainer_args import (
 )
 from hf_triaccel.integrations.trainer_data import DeviceImagesMixin
 from hf_triaccel.integrations.trainer_loss import LossRoutes, fallback_loss, forward_parameters
+from hf_triaccel.integrations.trainer_step import LeanStepMixin
 from hf_triaccel.optim.adafisher import AdaFisher
 from hf_triaccel.optim.groups import no_decay_names
 from hf_triaccel.optim.steering import StepSizeSteering
@@ -81,7 +83,7 @@ def _inner(optimizer: Any) -> Any:
     return optimizer
 
 
-class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, DeviceImagesMixin):
+class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, DeviceImagesMixin):
     """hf_triaccel for any ``transformers.Trainer`` subclass (TRL's included): put it
     first, ``class MyTrainer(TriAccelMixin, SFTTrainer)``.
 
@@ -366,7 +368,6 @@ class TriAccelTrainer(TriAccelMixin, Trainer):
 
     Example:
         >>> import tempfile
-        >>> from torch.utils.data import TensorDataset
         >>> from transformers import GPT2Config, GPT2LMHeadModel
         >>> class Tokens(torch.utils.data.Dataset):
         ...     def __len__(self):

@@ -12,9 +12,12 @@ import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import Trainer, TrainingArguments
+from transformers.utils import is_sagemaker_mp_enabled
 
 from hf_triaccel.integrations.trainer_loss import (
     feeds_positionally,
@@ -107,3 +110,55 @@ class _CollatorByModel:
         keys = features[0].keys() if features and hasattr(features[0], "keys") else ()
         positional = takes_positionally(self.signature, keys, self.label_names)
         return self.plain(features) if positional else self.removing(features)
+
+
+# distributed types whose gradients Accelerate clips with its own code
+_SHARDED_CLIPPING = frozenset(
+    (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA)
+)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():  # builds without torch.distributed
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+class KeptParameterClipping:
+    """Trainer mixin: ``Trainer._clip_grad_norm`` over the model's parameters listed once
+    per model and ``train()``, where the Trainer walks ``model.parameters()`` (every
+    module) at every step; the clipping itself is Accelerate's ``clip_grad_norm_``, as
+    in the Trainer. Sharded gradients (FSDP, DeepSpeed, XLA, DTensor parameters),
+    SageMaker model parallelism and a class between this mixin and ``Trainer`` that
+    overrides ``_clip_grad_norm`` keep the Trainer's method."""
+
+    _kept_parameters: WeakKeyDictionary | None = None
+
+    def train(self, *args: Any, **kwargs: Any):
+        self._kept_parameters = WeakKeyDictionary()
+        return super().train(*args, **kwargs)
+
+    def _clip_grad_norm(self, model: torch.nn.Module):
+        kept = self._kept_parameters
+        if kept is None:  # outside train()
+            return super()._clip_grad_norm(model)
+        if model not in kept:
+            kept[model] = self._clipped_parameters(model)
+        parameters = kept[model]
+        if parameters is None:
+            return super()._clip_grad_norm(model)
+        return self.accelerator.clip_grad_norm_(parameters, self.args.max_grad_norm)
+
+    def _clipped_parameters(self, model: torch.nn.Module) -> list[torch.nn.Parameter] | None:
+        following = getattr(super(), "_clip_grad_norm", None)
+        parameters = list(model.parameters())
+        if (
+            getattr(following, "__func__", None) is not Trainer._clip_grad_norm
+            or is_sagemaker_mp_enabled()
+            or self.accelerator.distributed_type in _SHARDED_CLIPPING
+            or any(map(_is_dtensor, parameters))
+        ):
+            return None
+        return parameters
