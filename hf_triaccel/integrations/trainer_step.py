@@ -1,19 +1,20 @@
 """The Trainer's training step without the walks over the model that repeat an answer.
 
 A CIFAR-size training step is bound by the host (the device waits for launches), so
-every microsecond of Python the Trainer adds to a step is wall time. Two pieces of
-``Trainer.training_step`` and ``Trainer.floating_point_ops`` visit the whole model at
-every step to reach a result that only changes when something outside the step changes
-it; :class:`LeanStepMixin` keeps their results and skips the visits:
+every microsecond of Python the Trainer adds to a step is wall time. Three pieces of a
+Trainer step visit the whole model at every step to reach a result that only changes
+when something outside the step changes it; :class:`LeanStepMixin` keeps their results
+and skips the visits:
 
-* ``model.train()`` sets ``training`` on every module. Here it runs when some module is
-  not in training mode (the Trainer's evaluation switches the model to eval mode, a
-  callback may switch one module); when every module is in training mode it would
-  change nothing. Modules whose class overrides ``train`` with more than that get the
-  call at every step, as in the Trainer.
+* ``model.train()`` (in ``training_step``) sets ``training`` on every module. Here it
+  runs when some module is not in training mode (the Trainer's evaluation switches the
+  model to eval mode, a callback may switch one module); when every module is in
+  training mode it would change nothing. Modules whose class overrides ``train`` with
+  more than that get the call at every step, as in the Trainer.
 * ``floating_point_ops`` counts a transformers model's parameters (a walk over all of
   them) once per model and ``train()``, not at every step.
-* the gradient clipping lists the model's parameters once per model and ``train()``.
+* the gradient clipping lists the model's parameters once per model and ``train()``
+  (:class:`~hf_triaccel.integrations.trainer_compat.KeptParameterClipping`).
 
 The rest of the step is the Trainer's. A run the Trainer steps otherwise (SageMaker model
 parallelism, a LOMO optimizer, DeepSpeed, ``torch_empty_cache_steps``) and a class
@@ -48,14 +49,16 @@ _MODE_ONLY_TRAIN = frozenset(
 
 
 def train_mode_modules(model: nn.Module) -> list[nn.Module] | None:
-    """The modules whose ``training`` flags ``model.train()`` sets, or ``None`` when one
-    of them overrides ``train`` with more than that (then the call must be made).
+    """The modules below ``model`` whose ``training`` flags ``model.train()`` sets (the
+    model itself left out, so that a cache keyed by the model weakly does not keep it),
+    or ``None`` when one of them overrides ``train`` with more than that (then the call
+    must be made).
 
     Example:
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
         >>> len(train_mode_modules(model))
-        3
+        2
         >>> class Frozen(nn.Linear):
         ...     def train(self, mode=True):
         ...         return super().train(False)
@@ -65,7 +68,7 @@ def train_mode_modules(model: nn.Module) -> list[nn.Module] | None:
     modules = list(model.modules())
     if any(type(m).train not in _MODE_ONLY_TRAIN for m in modules):
         return None
-    return modules
+    return modules[1:]  # modules() yields the model first
 
 
 def _next_is_trainers(trainer: Trainer, name: str) -> bool:
@@ -76,9 +79,8 @@ def _next_is_trainers(trainer: Trainer, name: str) -> bool:
 
 class LeanStepMixin(trainer_compat.KeptParameterClipping):
     """Trainer mixin: ``training_step``, ``floating_point_ops`` and the gradient clipping
-    (:class:`~hf_triaccel.integrations.trainer_compat.KeptParameterClipping`) with the
-    Trainer's results, without their walks over the model at every step (see the
-    module's docstring). Outside ``train()`` (a step called by hand) they are the
+    with the Trainer's results, without their walks over the model at every step (see
+    the module's docstring). Outside ``train()`` (a step called by hand) they are the
     Trainer's."""
 
     _lean_step = False  # resolved by each train()
@@ -106,7 +108,7 @@ class LeanStepMixin(trainer_compat.KeptParameterClipping):
         if model not in self._train_modes:
             self._train_modes[model] = train_mode_modules(model)
         modules = self._train_modes[model]
-        if modules is None or not all(m.training for m in modules):
+        if modules is None or not (model.training and all(m.training for m in modules)):
             model.train()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
