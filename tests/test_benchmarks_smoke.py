@@ -800,3 +800,50 @@ def test_bench_row_sums_grouped_smoke(bench, tmp_path):
     assert sum(r["ours"] for r in results) == 1 and len(results) == 2
     assert payload["launches"] >= 1 and payload["sums"] > payload["launches"]
     assert all(r["total_ms"] > 0 and r["bytes"] == results[0]["bytes"] > 0 for r in results)
+
+
+def _rounds(results: Path, rounds: int) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "trainer_rounds.py"), "--smoke", "--parts"]
+        + ["loop,trainer", "--rounds", str(rounds), "--results", str(results)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_trainer_rounds_resume_and_alternate(tmp_path):
+    """A second call runs only the rounds the first left, its parts in the other order."""
+    results = tmp_path / "rounds.jsonl"
+    _rounds(results, 1)
+    out = _rounds(results, 2)
+    runs = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["round"], r["part"]) for r in runs] == [
+        (1, "loop"),
+        (1, "trainer"),
+        (2, "trainer"),
+        (2, "loop"),
+    ]
+    assert all(r["exit"] == 0 and r["figures"]["samples_per_second"] > 0 for r in runs)
+    assert "| trainer / loop |" in out
+
+
+def test_trainer_rounds_pair_each_rounds_runs(bench):
+    rounds = bench("trainer_rounds")
+    recipe = {"samples_per_second": 90.0, "steady_samples_per_second": 100.0, "accuracy": 0.9}
+    compiled = {"samples_per_second": 150.0, "steady_samples_per_second": 210.0, "accuracy": 0.895}
+    runs = [
+        {"round": 1, "part": "recipe", "figures": recipe},
+        {"round": 1, "part": "loop", "figures": {"samples_per_second": 100.0}},
+        {"round": 1, "part": "compiled", "figures": compiled},
+        {"round": 2, "part": "recipe", "figures": {**recipe, "samples_per_second": 80.0}},
+        {"round": 2, "part": "loop", "figures": None},  # failed: its round has no pair
+        {"round": 2, "part": "trainer", "figures": {"vs_loop": 1.02}},
+    ]
+    got = rounds.ratios(runs)
+    assert got["recipe / loop"] == [0.9]
+    assert got["compiled / recipe, steady"] == [2.1]
+    assert got["compiled - recipe, accuracy points"] == pytest.approx([-0.5])
+    assert got["trainer / loop"] == [1.02]
