@@ -189,14 +189,19 @@ def summary(records: list[dict[str, Any]]) -> str:
     parts = []
     for here in dict.fromkeys(r["commit"] for r in records):
         mine = [r for r in records if r["commit"] == here]
-        rows = [{"name": k, "values": v} for k, v in ratios(mine).items() if v]
-        for row in rows:
-            mean = "accuracy" in row["name"]
-            row["figure"] = statistics.fmean if mean else statistics.median
+        rows = [
+            {
+                "name": k,
+                "values": v,
+                "figure": (statistics.fmean if "accuracy" in k else statistics.median)(v),
+            }
+            for k, v in ratios(mine).items()
+            if v
+        ]
         columns = {
             "commit " + here: lambda r: r["name"],
             "rounds": lambda r: " / ".join(f"{v:.3f}" for v in r["values"]),
-            "median (accuracy: mean)": lambda r: f"{r['figure'](r['values']):.3f}",
+            "median (accuracy: mean)": lambda r: f"{r['figure']:.3f}",
         }
         parts.append(harness.table(rows, columns))
     return "\n\n".join(parts) or "no runs recorded"

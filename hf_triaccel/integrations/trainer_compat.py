@@ -112,6 +112,14 @@ class _CollatorByModel:
         return self.plain(features) if positional else self.removing(features)
 
 
+def defers_to_trainer(trainer: Trainer, mixin: type, name: str) -> bool:
+    """Whether the method ``name`` that ``mixin`` would defer to (the next class in
+    ``trainer``'s method order) is ``transformers.Trainer``'s own, not a subclass's
+    between them (a TRL trainer's)."""
+    following = getattr(super(mixin, trainer), name, None)
+    return getattr(following, "__func__", None) is getattr(Trainer, name)
+
+
 # distributed types whose gradients Accelerate clips with its own code
 _SHARDED_CLIPPING = frozenset(
     (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA)
@@ -152,10 +160,9 @@ class KeptParameterClipping:
         return self.accelerator.clip_grad_norm_(parameters, self.args.max_grad_norm)
 
     def _clipped_parameters(self, model: torch.nn.Module) -> list[torch.nn.Parameter] | None:
-        following = getattr(super(), "_clip_grad_norm", None)
         parameters = list(model.parameters())
         if (
-            getattr(following, "__func__", None) is not Trainer._clip_grad_norm
+            not defers_to_trainer(self, KeptParameterClipping, "_clip_grad_norm")
             or is_sagemaker_mp_enabled()
             or self.accelerator.distributed_type in _SHARDED_CLIPPING
             or any(map(_is_dtensor, parameters))

@@ -30,7 +30,7 @@ from weakref import WeakKeyDictionary
 import torch
 from accelerate.utils import DistributedType
 from torch import nn
-from transformers import PreTrainedModel, Trainer
+from transformers import PreTrainedModel
 from transformers.training_args import OptimizerNames
 from transformers.utils import is_sagemaker_mp_enabled
 
@@ -71,12 +71,6 @@ def train_mode_modules(model: nn.Module) -> list[nn.Module] | None:
     return modules[1:]  # modules() yields the model first
 
 
-def _next_is_trainers(trainer: Trainer, name: str) -> bool:
-    """Whether the ``name`` the mixin would defer to is ``transformers.Trainer``'s own."""
-    following = getattr(super(LeanStepMixin, trainer), name)
-    return getattr(following, "__func__", None) is getattr(Trainer, name)
-
-
 class LeanStepMixin(trainer_compat.KeptParameterClipping):
     """Trainer mixin: ``training_step``, ``floating_point_ops`` and the gradient clipping
     with the Trainer's results, without their walks over the model at every step (see
@@ -93,13 +87,15 @@ class LeanStepMixin(trainer_compat.KeptParameterClipping):
     def _resolve_step(self) -> None:
         trainer_args = self.args
         self._lean_step = (
-            _next_is_trainers(self, "training_step")
+            trainer_compat.defers_to_trainer(self, LeanStepMixin, "training_step")
             and not is_sagemaker_mp_enabled()
             and trainer_args.optim not in (OptimizerNames.LOMO, OptimizerNames.ADALOMO)
             and self.accelerator.distributed_type != DistributedType.DEEPSPEED
             and trainer_args.torch_empty_cache_steps is None
         )
-        self._lean_flops = _next_is_trainers(self, "floating_point_ops")
+        self._lean_flops = trainer_compat.defers_to_trainer(
+            self, LeanStepMixin, "floating_point_ops"
+        )
         self._several_gpus = trainer_args.n_gpu > 1
         self._train_modes: WeakKeyDictionary = WeakKeyDictionary()
         self._parameter_counts: WeakKeyDictionary = WeakKeyDictionary()
