@@ -39,7 +39,8 @@ def recipe_figures(folder: Path) -> dict[str, Any] | None:
     if results is None:
         return None
     training_s = results["train_runtime_s"] - results["eval_runtime_s"]
-    samples = results["train_samples"] * results["epochs"]
+    # the samples trained: whole batches only, an epoch's remainder is not trained on
+    samples = results["optimizer_steps"] * results["settings"]["total_batch_size"]
     return {
         "samples_per_second": samples / training_s,
         "steady_samples_per_second": results["steady_samples_per_second"],

@@ -63,8 +63,8 @@ DEFINITIONS = {
     "(train_runtime_s - eval_runtime_s) / optimizer_steps",
     "steady_samples_per_second": "total batch size / steady_step_time_ms",
     "gpu_hours": "train_runtime_s x GPUs / 3600",
-    "energy_kwh": "GPU energy over train_runtime_s, summed over the GPUs (NVML power "
-    "readings integrated over time); CPU and memory not counted",
+    "energy_kwh": "GPU energy over train_runtime_s, summed over the GPUs (NVML's energy "
+    "counter read when training starts and ends); CPU and memory not counted",
 }
 
 
@@ -184,6 +184,7 @@ def settings(trainer: TriAccelTrainer) -> dict[str, Any]:
         if args.device_data_augment
         else "none",
         "seed": args.seed,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "adafisher": None,
     }
     if args.uses_adafisher:

@@ -390,6 +390,11 @@ def run_recipe(argv: list[str] | None = None, recipe: str | None = None) -> dict
     # instead, once every output is written.
     args = dataclasses.replace(args, push_to_hub=False)
     data = RecipeData.load(config, recipe_args, args)
+    # Every batch has one shape (whole batches only; evaluation batches that divide the
+    # test set): cuDNN times its convolution algorithms once per shape and keeps the
+    # fastest, as the hand-written loops of benchmarks/ do. --full_determinism keeps the
+    # Trainer's deterministic choice.
+    torch.backends.cudnn.benchmark = not args.full_determinism
 
     baseline = None
     if recipe_args.baseline:

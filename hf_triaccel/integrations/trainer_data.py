@@ -50,13 +50,13 @@ class _PlannedImages(Dataset):
     def __getitems__(self, slots: range | list[int]) -> dict[str, torch.Tensor]:
         if self.state.plan is None:
             self.state.set_epoch(0)
-        device = self.state.loader.data.device
         if isinstance(slots, range):
-            # built on the device: copying a Python list from pageable host memory would
-            # make the host wait for the GPU at every batch
-            index = torch.arange(slots.start, slots.stop, slots.step, device=device)
+            # views of the epoch's plan: no index tensor to build and no gather of the
+            # plan at every batch (a Python list copied from pageable host memory would
+            # also make the host wait for the GPU)
+            index = slice(slots.start, slots.stop, slots.step)
         else:
-            index = torch.as_tensor(slots, device=device)
+            index = torch.as_tensor(slots, device=self.state.loader.data.device)
         images, labels = self.state.loader.gather(self.state.plan, index)
         return {"pixel_values": images, "labels": labels}
 

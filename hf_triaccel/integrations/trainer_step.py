@@ -16,10 +16,12 @@ and skips the visits:
 * the gradient clipping lists the model's parameters once per model and ``train()``
   (:class:`~hf_triaccel.integrations.trainer_compat.KeptParameterClipping`).
 
-The rest of the step is the Trainer's. A run the Trainer steps otherwise (SageMaker model
-parallelism, a LOMO optimizer, DeepSpeed, ``torch_empty_cache_steps``) and a class
-between this mixin and ``transformers.Trainer`` that overrides a method (TRL's trainers)
-keep the Trainer's own method; these facts are read once per ``train()``.
+Without gradient accumulation the loss is not divided by one (a kernel launch whose
+result is the loss itself). The rest of the step is the Trainer's. A run the Trainer
+steps otherwise (SageMaker model parallelism, a LOMO optimizer, DeepSpeed,
+``torch_empty_cache_steps``) and a class between this mixin and ``transformers.Trainer``
+that overrides a method (TRL's trainers) keep the Trainer's own method; these facts are
+read once per ``train()``.
 """
 
 from __future__ import annotations
@@ -122,8 +124,10 @@ class LeanStepMixin(trainer_compat.KeptParameterClipping):
             del inputs
             if self._several_gpus:
                 loss = loss.mean()  # DataParallel: one loss per device
-            if not trainer_compat.loss_is_scaled_for_ga(self, num_items_in_batch):
-                loss = loss / self.current_gradient_accumulation_steps
+            steps = self.current_gradient_accumulation_steps
+            # x / 1 == x exactly: one kernel launch less when nothing accumulates
+            if steps != 1 and not trainer_compat.loss_is_scaled_for_ga(self, num_items_in_batch):
+                loss = loss / steps
             self.accelerator.backward(loss)
             return loss.detach()
 

@@ -52,7 +52,7 @@ def sample_results(baseline: bool = True) -> dict:
         "timing_windows": 145,
         "gpu_hours": 0.020347,
         "peak_memory_gb": 1.331,
-        "energy": {"energy_kwh": 0.0123, "power_readings": 700},
+        "energy": {"energy_kwh": 0.0123},
         "co2": {
             "emissions_g": 5.843,
             "carbon_intensity_g_per_kwh": 475.0,

@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -554,30 +553,78 @@ def test_load_results_needs_results(tmp_path):
         recipe_results.load_results(tmp_path)
 
 
-def test_energy_integrates_the_power_readings_over_training(monkeypatch):
-    watts = iter([100.0, 300.0, 200.0] + [200.0] * 1000)
+class FakeNVML:
+    """pynvml's calls the energy meter makes, over one GPU known by ``uuid``, whose
+    counter (millijoules) the test moves; ``supported=False``: a GPU without the counter."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, uuid: str, supported: bool = True) -> None:
+        self.uuid, self.supported, self.millijoules = uuid, supported, 5_000_000
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+        if uuid != self.uuid:
+            raise self.NVMLError(f"no device {uuid}")
+        return uuid
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:
+        if not self.supported:
+            raise self.NVMLError("not supported")
+        return self.millijoules
+
+
+def fake_gpu(monkeypatch, nvml: FakeNVML, uuid: str) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "power_draw", lambda device=None: 1e3 * next(watts))
-    meter = recipe_energy.EnergyMeter(interval_s=0.01)
-    begin = time.perf_counter()
+    properties = type("Properties", (), {"uuid": uuid})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+
+
+@pytest.mark.parametrize("prefix", ["GPU-", "MIG-"])
+def test_energy_is_the_counter_between_train_begin_and_end(monkeypatch, prefix):
+    nvml = FakeNVML(prefix + "0a1b2c3d-0000-1111-2222-333344445555")
+    fake_gpu(monkeypatch, nvml, "0a1b2c3d-0000-1111-2222-333344445555")
+    meter = recipe_energy.EnergyMeter()
     meter.on_train_begin(None, None, None)
-    time.sleep(0.1)
+    nvml.millijoules += 1_234_567  # drawn during training
     meter.on_train_end(None, None, None)
-    end = time.perf_counter()
-    samples = meter.samples
-    # the availability probe took the first value (100 W): the run reads 300, 200, 200...
-    assert meter.readings >= 3 and [w for _, w in samples[:2]] == [300.0, 200.0]
-    assert begin <= samples[0][0] and samples[-1][0] <= end
-    (t0, _), (t1, _) = samples[:2]
-    # trapezoids: (300 + 200) / 2 W over the first interval, then a constant 200 W
-    expected = 250.0 * (t1 - t0) + 200.0 * (samples[-1][0] - t1)
-    assert meter.joules == pytest.approx(expected, rel=1e-9)
+    assert meter.joules == pytest.approx(1234.567, rel=1e-12)
+    nvml.millijoules += 10_000  # after training: not counted, nor read again
+    meter.on_train_end(None, None, None)
+    assert meter.joules == pytest.approx(1234.567, rel=1e-12)
 
 
-def test_no_power_reading_no_energy(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+@pytest.mark.parametrize("case", ["no cuda", "no counter", "unknown device", "no pynvml"])
+def test_no_counter_no_energy(monkeypatch, case):
+    uuid = "0a1b2c3d-0000-1111-2222-333344445555"
+    fake_gpu(monkeypatch, FakeNVML("GPU-" + uuid, supported=case != "no counter"), uuid)
+    if case == "no cuda":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if case == "unknown device":
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda d: type("P", (), {"uuid": "ffff"})()
+        )
+    if case == "no pynvml":
+        monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ModuleNotFoundError
     meter = recipe_energy.EnergyMeter()
     meter.on_train_begin(None, None, None)
     meter.on_train_end(None, None, None)
-    assert meter.joules is None and meter.readings == 0
+    assert meter.joules is None
+
+
+@pytest.mark.gpu
+def test_energy_counter_reads_a_training_gpu():
+    pytest.importorskip("pynvml")
+    meter = recipe_energy.EnergyMeter()
+    meter.on_train_begin(None, None, None)
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(200):  # some joules of work
+        x = torch.tanh(x @ x)
+    torch.cuda.synchronize()
+    meter.on_train_end(None, None, None)
+    assert meter.joules is not None and meter.joules > 0
