@@ -3,12 +3,11 @@
 
 NVML counts the energy each GPU has drawn since its driver loaded
 (``nvmlDeviceGetTotalEnergyConsumption``, millijoules; Volta and newer). The meter reads
-that counter when ``Trainer.train()`` starts and when it ends: two queries and no thread,
-so the measurement takes nothing from the training steps (a thread polling the power draw
-during the run slowed these host-bound steps, see BENCHMARKS.md). Each process measures
-its own GPU; the recipe sums them. Without a CUDA GPU, ``nvidia-ml-py`` or the counter (a
-GPU before Volta, a MIG instance) there is no reading, and the card says so instead of
-estimating.
+that counter when ``Trainer.train()`` starts and when it ends: two queries, no thread
+beside the training steps, and no sampling between power readings to integrate. Each
+process measures its own GPU; the recipe sums them. Without a CUDA GPU, ``nvidia-ml-py``
+or the counter (a GPU before Volta, a MIG instance) there is no reading, and the card says
+so instead of estimating.
 
 Example:
     >>> meter = EnergyMeter()

@@ -126,7 +126,7 @@ def card_metrics(results: Mapping[str, Any]) -> list[tuple[str, str, float]]:
 
 def co2_eq_emissions(results: Mapping[str, Any]) -> dict[str, Any] | None:
     """The Hub's ``co2_eq_emissions`` entry from the run's measured GPU energy (grams of
-    CO2-equivalent); ``None`` when the run had no GPU power reading.
+    CO2-equivalent); ``None`` when the run had no GPU energy reading.
 
     Example:
         >>> co2_eq_emissions({"co2": {"emissions_g": 12.5, "carbon_intensity_g_per_kwh": 475.0,
@@ -139,7 +139,7 @@ def co2_eq_emissions(results: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     entry = {
         "emissions": co2["emissions_g"],
-        "source": "GPU energy from NVML power readings integrated over the training run "
+        "source": "GPU energy from NVML's energy counter over the training run "
         f"(hf_triaccel), at {co2['carbon_intensity_g_per_kwh']:g} g CO2eq/kWh",
         "training_type": "pre-training",
         "hardware_used": results["hardware"],

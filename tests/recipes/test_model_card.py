@@ -172,7 +172,7 @@ def test_no_power_reading_no_emissions_but_a_note():
     results.update(energy=None, co2=None, gpu_hours=None, peak_memory_gb=None)
     card = build_card(results, repo_id="me/x")
     assert "co2_eq_emissions" not in metadata(card)
-    assert "not estimated: no GPU power reading" in card.content
+    assert "not estimated: no GPU energy reading" in card.content
     metrics = {m["type"] for m in metadata(card)["model-index"][0]["results"][0]["metrics"]}
     assert metrics == {"accuracy", "training_time_s", "training_samples_per_second"}
 

@@ -122,7 +122,7 @@ def test_recipe_trains_and_writes_model_reports_plots_and_card(name, hub_folders
     assert results["settings"]["optim"] == "adafisher"
     assert results["settings"]["label_smoothing"] == 0.1
     assert results["settings"]["precision"] == "static fp32"
-    assert results["baseline"] is None and results["co2"] is None  # no GPU power reading
+    assert results["baseline"] is None and results["co2"] is None  # no GPU energy reading
     assert 0.0 <= results["eval_accuracy"] <= 1.0
     assert results["steady_step_time_ms"] > 0 and results["steady_samples_per_second"] > 0
     assert set(results["plots"]) == {"loss", "accuracy"}  # no GPU memory figures on a CPU
@@ -130,7 +130,7 @@ def test_recipe_trains_and_writes_model_reports_plots_and_card(name, hub_folders
     card = (out / "README.md").read_text()
     assert metrics_of(card)["accuracy"] == round(results["eval_accuracy"], 4)
     assert f"{100 * results['eval_accuracy']:.2f}%" in card
-    assert results["model"] in card and "not estimated: no GPU power reading" in card
+    assert results["model"] in card and "not estimated: no GPU energy reading" in card
     assert "co2_eq_emissions" not in front_matter(card)
 
     # timm alone loads the output folder back, with the trained weights and the training
