@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from transformers import TrainerCallback
 _UUID_PREFIXES = ("GPU-", "MIG-")
 
 
-def energy_counter(device: int) -> Any | None:
+def energy_counter(device: int) -> Callable[[], int] | None:
     """A function returning the millijoules CUDA device ``device`` has drawn since its
     driver loaded, or ``None`` when this process cannot read that counter."""
     if not torch.cuda.is_available():
@@ -61,7 +62,7 @@ class EnergyMeter(TrainerCallback):
 
     def __init__(self) -> None:
         self.joules: float | None = None
-        self._read: Any | None = None
+        self._read: Callable[[], int] | None = None
         self._start_mj = 0
 
     def on_train_begin(self, args, state, control, **kwargs):

@@ -24,6 +24,7 @@ it will train and, on a CPU, about how long that takes. A run writes into ``outp
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -33,6 +34,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,15 +277,45 @@ def typed_command(argv: list[str], recipe: str | None) -> str:
     return shlex.join([*launcher, script, *flags])
 
 
+@contextlib.contextmanager
+def cudnn_autotuning(on: bool) -> Iterator[None]:
+    """cuDNN's autotuning (``torch.backends.cudnn.benchmark``) set to ``on`` inside the
+    block, as it was after.
+
+    Example:
+        >>> with cudnn_autotuning(True):
+        ...     torch.backends.cudnn.benchmark
+        True
+    """
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
 def train_and_evaluate(
     config: RecipeConfig, recipe_args: RecipeArguments, args: TriAccelArguments, data: RecipeData
 ) -> RunOutcome | None:
     """Trains one model, evaluates it (unless ``--eval_strategy no``), and writes its
     model, ``history.json`` and efficiency report into ``args.output_dir``.
 
+    Every batch has one shape (whole batches only, evaluation batches that divide the test
+    set), so cuDNN's autotuning is on: each convolution's algorithms are timed once per
+    shape and the fastest kept, as the hand-written loops of ``benchmarks/`` do;
+    ``--full_determinism`` keeps the Trainer's deterministic choice.
+
     Returns:
         The run's outcome on the main process, ``None`` on the others.
     """
+    with cudnn_autotuning(not args.full_determinism):
+        return _train_and_evaluate(config, recipe_args, args, data)
+
+
+def _train_and_evaluate(
+    config: RecipeConfig, recipe_args: RecipeArguments, args: TriAccelArguments, data: RecipeData
+) -> RunOutcome | None:
     set_seed(args.seed)  # the same initial weights for a run and its baseline
     model = create_cifar_model(
         recipe_args.model, num_classes=config.num_classes, **model_args(config, recipe_args)
@@ -390,11 +422,6 @@ def run_recipe(argv: list[str] | None = None, recipe: str | None = None) -> dict
     # instead, once every output is written.
     args = dataclasses.replace(args, push_to_hub=False)
     data = RecipeData.load(config, recipe_args, args)
-    # Every batch has one shape (whole batches only; evaluation batches that divide the
-    # test set): cuDNN times its convolution algorithms once per shape and keeps the
-    # fastest, as the hand-written loops of benchmarks/ do. --full_determinism keeps the
-    # Trainer's deterministic choice.
-    torch.backends.cudnn.benchmark = not args.full_determinism
 
     baseline = None
     if recipe_args.baseline:

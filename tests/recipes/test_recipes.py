@@ -110,7 +110,10 @@ def test_recipe_trains_and_writes_model_reports_plots_and_card(name, hub_folders
     model = recipe_config.RecipeConfig.load(name).model  # the recipe's own architecture
     argv = tiny_run(name, hub_folders[name], out, "--model", model)
     argv[argv.index("--max_steps") + 1] = "1"  # a full-size model: one step is enough here
+    autotuning = torch.backends.cudnn.benchmark
     results = train.run_recipe(argv)
+    assert torch.backends.cudnn.benchmark == autotuning  # on during the run only
+    assert results["settings"]["cudnn_benchmark"] is True
 
     for file in ("model.safetensors", "config.json", REPORT_NAME, "history.json"):
         assert (out / file).is_file(), file
@@ -551,6 +554,13 @@ def test_steady_step_time_leaves_out_warm_up_and_evaluations():
 def test_load_results_needs_results(tmp_path):
     with pytest.raises(FileNotFoundError, match="no run results"):
         recipe_results.load_results(tmp_path)
+
+
+def test_full_determinism_keeps_cudnn_autotuning_off(hub_folders, tmp_path):
+    name = "cifar10_resnet18"
+    argv = tiny_run(name, hub_folders[name], tmp_path / "out", "--full_determinism", "true")
+    results = train.run_recipe([*argv, "--no_plot"])
+    assert results["settings"]["cudnn_benchmark"] is False
 
 
 class FakeNVML:
