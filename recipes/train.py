@@ -279,8 +279,8 @@ def typed_command(argv: list[str], recipe: str | None) -> str:
 
 @contextlib.contextmanager
 def cudnn_autotuning(on: bool) -> Iterator[None]:
-    """cuDNN's autotuning (``torch.backends.cudnn.benchmark``) set to ``on`` inside the
-    block, as it was after.
+    """cuDNN's autotuning (``torch.backends.cudnn.benchmark``) set to ``on`` for the block,
+    and back to what it was when the block ends.
 
     Example:
         >>> with cudnn_autotuning(True):
