@@ -28,8 +28,8 @@ from transformers import TrainerCallback
 _UUID_PREFIXES = ("GPU-", "MIG-")
 
 
-def energy_counter(device: int) -> Callable[[], int] | None:
-    """A function returning the millijoules CUDA device ``device`` has drawn since its
+def energy_counter() -> Callable[[], int] | None:
+    """A function returning the millijoules the current CUDA device has drawn since its
     driver loaded, or ``None`` when this process cannot read that counter."""
     if not torch.cuda.is_available():
         return None
@@ -37,7 +37,7 @@ def energy_counter(device: int) -> Callable[[], int] | None:
         import pynvml
 
         pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         for prefix in _UUID_PREFIXES:
             try:
                 handle = pynvml.nvmlDeviceGetHandleByUUID(prefix + uuid)
@@ -67,8 +67,7 @@ class EnergyMeter(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.joules = None
-        device = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        self._read = energy_counter(device)
+        self._read = energy_counter()
         if self._read is not None:
             self._start_mj = self._read()
 
