@@ -8,8 +8,8 @@ hook (:class:`GradientTake`) that confirms that slot and takes the gradient sums
 :class:`~hf_triaccel.curvature.collector.FisherCollector` registers them before the
 forward of a refresh step and removes them after its fold, so that ordinary steps run
 the model unhooked. A refresh step that repeats the one before it is replayed
-(:mod:`~hf_triaccel.curvature.steady`): the hooks ask the replay first, and its forwards
-get a :class:`ReplayedGradient` instead.
+(:mod:`~hf_triaccel.curvature.steady`): the hooks ask the replay first, and the gradient
+hook of a forward it took is the replay's own.
 
 A copy of the model alone (an EMA or teacher copy) must not feed the collector: copied
 or pickled, a hook becomes an :class:`InertHook`, which does nothing. A collector copied
@@ -24,6 +24,7 @@ the original forward without autograd, which takes no statistic, so its recomput
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -149,11 +150,11 @@ class ActivationHook(_StatisticsHook):
 
     def take(
         self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
-    ) -> PendingStatistic | ReplayedGradient | None:
+    ) -> PendingStatistic | int | None:
         """Takes the activation sums of this forward's input; returns what waits for the
-        gradient of its output (the pending record, or the gradient hook of a replayed
-        step: :mod:`~hf_triaccel.curvature.steady`), or ``None`` when this forward takes
-        no statistic."""
+        gradient of its output (the pending record, or in a replayed step the index of
+        its event: :mod:`~hf_triaccel.curvature.steady`), or ``None`` when this forward
+        takes no statistic."""
         layer = self.layer
         # a shallow copy of the model shares the hook dicts: ignore the copy's calls
         if module is not layer.module or not torch.is_grad_enabled():
@@ -208,7 +209,7 @@ class OutputHook(_StatisticsHook):
             return
         self.on_gradient(layer.pending_a.pop(), output)
 
-    def on_gradient(self, taken: PendingStatistic | ReplayedGradient, output: Any) -> None:
+    def on_gradient(self, taken: PendingStatistic | int, output: Any) -> None:
         """Registers on ``output`` the gradient hook that confirms ``taken`` (what
         :meth:`ActivationHook.take` returned) and takes the gradient sums (nothing for an
         output without gradient)."""
@@ -216,12 +217,13 @@ class OutputHook(_StatisticsHook):
             return
         node = output.grad_fn
         tensor_hook = node is None or torch.compiler.is_compiling()
-        if not isinstance(taken, PendingStatistic):  # a replayed step's
+        if not isinstance(taken, PendingStatistic):  # the event of a replayed forward
+            steady = self.collector.steady
             if tensor_hook:
-                output.register_hook(taken.take)
+                output.register_hook(functools.partial(steady.tensor_gradient, taken, steady.step))
                 return
-            taken.output = output.output_nr
-            node.register_prehook(taken)
+            hook = functools.partial(steady.node_gradient, taken, steady.step, output.output_nr)
+            node.register_prehook(hook)
             return
         take = GradientTake(self.collector, self.layer, taken)
         if tensor_hook:
@@ -304,38 +306,3 @@ class GradientTake:
         batches.gradient_taken()
         if recorder is not None:
             recorder.counted(count, started)
-
-
-class ReplayedGradient:
-    """The gradient hook of a forward taken by a replayed refresh step
-    (:mod:`~hf_triaccel.curvature.steady`), on the node that computes the output's
-    gradient (:meth:`take` on the output itself, where there is no such node): the
-    replay takes the gradient; once the step has left the replay, :class:`GradientTake`
-    takes it, with the ``pending`` record the replay handed over.
-
-    ``step`` is the replayed step's token: a gradient that arrives after its step's
-    fold (a graph kept and run backward again) is not taken, its sums already folded.
-    """
-
-    __slots__ = ("steady", "layer", "index", "step", "output", "pending")
-
-    def __init__(self, steady: Any, layer: LayerFactors, index: int, step: object) -> None:
-        self.steady = steady
-        self.layer = layer
-        self.index = index  # of the forward's event in the recording
-        self.step = step
-        self.output = 0  # which of the node's outputs
-        self.pending: PendingStatistic | None = None
-
-    def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        grad = grads[self.output]
-        if grad is None:  # no gradient reached this output
-            return
-        if self.pending is None and self.steady.gradient(self, grad):
-            return
-        if self.pending is not None:
-            GradientTake(self.steady.collector, self.layer, self.pending)(grad)
-
-    def take(self, grad: torch.Tensor) -> None:
-        """The hook on the output tensor itself."""
-        self((grad,))

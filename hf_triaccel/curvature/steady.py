@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_triaccel.curvature.hooks import ReplayedGradient
+from hf_triaccel.curvature.hooks import GradientTake
 from hf_triaccel.curvature.layer import LayerFactors, PendingStatistic
 from hf_triaccel.curvature.recording import Program, Recorder
 
@@ -84,7 +84,9 @@ class SteadyRefresh:
         self.position = 0  # the events replayed in this step
         self.ends = 0  # the backward ends replayed in this step
         self.stash: list[torch.Tensor | None] = []
-        self.hooks: dict[int, ReplayedGradient] = {}  # by forward event, this step's
+        # by forward event, the layer and pending record a step that left the replay
+        # gave the forwards it had replayed
+        self.handed: dict[int, tuple[LayerFactors, PendingStatistic]] = {}
         self.step = object()  # this step's token
 
     def _begin(self) -> None:
@@ -113,9 +115,10 @@ class SteadyRefresh:
 
     def forward(
         self, layer: LayerFactors, x: torch.Tensor, device: torch.device, kept: bool
-    ) -> ReplayedGradient | None:
-        """A forward's activation statistic, replayed: the hook that waits for its
-        gradient, or ``None`` when the general path takes it."""
+    ) -> int | None:
+        """A forward's activation statistic, replayed: the index of its event, which its
+        gradient hook (:meth:`node_gradient`) is made with, or ``None`` when the general
+        path takes it."""
         if self.phase != _REPLAYING:
             if self.phase != _IDLE:
                 return None
@@ -137,23 +140,41 @@ class SteadyRefresh:
         self.position = k + 1
         for action in event.actions:
             action(stash)
-        hook = self.hooks[k] = ReplayedGradient(self, layer, k, self.step)
-        return hook
+        return k
 
-    def gradient(self, hook: ReplayedGradient, grad: torch.Tensor) -> bool:
-        """An output gradient's statistic, replayed; ``False`` when the general path
-        takes it (``hook.pending`` then holds the forward's record)."""
-        if hook.step is not self.step:
-            return True  # its step was folded
-        if self.phase != _REPLAYING:
-            return False
+    def node_gradient(
+        self, index: int, step: object, output: int, grads: tuple[torch.Tensor | None, ...]
+    ) -> None:
+        """The gradient hook of a forward this replay took (``index``: its event), on the
+        node that computes the gradient of its ``output``: the replay takes the gradient;
+        once the step has left the replay, :class:`~hf_triaccel.curvature.hooks.GradientTake`
+        takes it with the record the replay handed over. ``step`` is the forward's step:
+        a gradient that arrives after that step's fold (a graph kept and run backward
+        again) is not taken, its sums already folded."""
+        grad = grads[output]
+        if grad is None or step is not self.step:  # no gradient reached it, or folded
+            return
+        if self.phase == _REPLAYING and self._gradient(index, grad):
+            return
+        handed = self.handed.get(index)
+        if handed is not None:
+            GradientTake(self.collector, *handed)(grad)
+
+    def tensor_gradient(self, index: int, step: object, grad: torch.Tensor) -> None:
+        """:meth:`node_gradient`, as the hook of the output tensor itself (an output
+        without a node, or a forward that torch.compile traces)."""
+        self.node_gradient(index, step, 0, (grad,))
+
+    def _gradient(self, index: int, grad: torch.Tensor) -> bool:
+        """An output gradient's statistic, replayed; ``False`` when the step leaves the
+        replay here and the general path takes it."""
         k = self.position
         events = self.program.events
         event = events[k] if k < len(events) else None
         detach = grad.requires_grad
         if (
             event is None
-            or event.pair != hook.index
+            or event.pair != index
             or event.key != (detach, grad.shape, grad.stride(), grad.dtype)
         ):
             self.leave()
@@ -216,7 +237,7 @@ class SteadyRefresh:
     def _next_step(self) -> None:
         self.phase = _IDLE
         self.recorder = None
-        self.stash, self.hooks = [], {}
+        self.stash, self.handed = [], {}
         self.step = object()
 
     def abandon(self) -> None:
@@ -234,9 +255,10 @@ class SteadyRefresh:
         self.program = None  # the next refresh step is recorded again
         self.misses += 1
         self.enabled = self.misses < MAX_MISSES
-        for index, hook in self.hooks.items():
-            event = program.events[index]
-            hook.pending = PendingStatistic(event.slot, event.count)
-            event.layer.owners[event.slot] = weakref.ref(hook.pending)
+        for index, event in enumerate(program.events[:taken]):
+            if event.kind == "a":
+                pending = PendingStatistic(event.slot, event.count)
+                event.layer.owners[event.slot] = weakref.ref(pending)
+                self.handed[index] = (event.layer, pending)
         program.hand_over(self.stash, taken, self.ends)
         self.stash = []
