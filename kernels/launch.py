@@ -76,7 +76,7 @@ def launch_compiled(compiled: Any, grid: tuple[int, ...], args: list) -> None:
     caller keeps the tensors alive until the launch is queued."""
     knobs, current_stream, current_device = _direct_launch()
     stream = current_stream(current_device())
-    enter_hook = _watching(knobs.runtime.launch_enter_hook)
+    enter_hook = knobs.runtime.launch_enter_hook
     metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *args)
     dims = (*grid, 1, 1)
     compiled.run(
@@ -88,16 +88,9 @@ def launch_compiled(compiled: Any, grid: tuple[int, ...], args: list) -> None:
         compiled.packed_metadata,
         metadata,
         enter_hook,
-        _watching(knobs.runtime.launch_exit_hook),
+        knobs.runtime.launch_exit_hook,
         *args,
     )
-
-
-def _watching(hook: Any) -> Any:
-    """A launch hook of Triton's, or ``None`` where none is set (Triton 3.5 on keeps an
-    empty chain of hooks, which the launcher would call and the launch metadata would be
-    worked out for)."""
-    return hook if hook is not None and getattr(hook, "calls", True) else None
 
 
 def direct_launcher(handle: Any) -> Callable[[tuple[int, ...], list], None]:
@@ -225,7 +218,7 @@ class DriverLaunch:
 
     def __call__(self, grid: tuple[int, ...], args: list) -> None:
         knobs, current_stream, current_device = _direct_launch()
-        if _watching(knobs.runtime.launch_enter_hook) is not None:  # a profiler watches
+        if knobs.runtime.launch_enter_hook is not None:  # a profiler that watches launches
             launch_compiled(self.compiled, grid, args)
             return
         self.struct.pack_into(self.buffer, 0, *self.pick(args))
