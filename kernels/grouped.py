@@ -36,10 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_triaccel.kernels.launch import direct_launch_supported, direct_launcher
 from hf_triaccel.kernels.stats import (
     KEPT_PARTIALS,
     ReductionLaunch,
+    compiled_kernel,
+    direct_launch_supported,
+    launch_compiled,
     rows_geometry,
     slab_sums,
     write_tail,
@@ -249,7 +251,7 @@ def gathers(
 
 class _Launch:
     """One kernel's launch with fixed arguments, the compiled kernel launched directly
-    after the first time (:func:`~hf_triaccel.kernels.launch.direct_launcher`), so that a
+    after the first time (:func:`~hf_triaccel.kernels.stats.launch_compiled`), so that a
     grouped launch costs one launch's host time, not Triton's binding of its arguments.
 
     ``args`` are every argument of the kernel by name, constexprs included; a call may
@@ -278,12 +280,12 @@ class _Launch:
             at = self.at
             for name, tensor in changed.items():
                 args[at[name]] = tensor.data_ptr()
-            self.compiled(self.grid, args)
+            launch_compiled(self.compiled, self.grid, args)
             return
         args = {**self.args, **changed} if changed else self.args
         handle = self.kernel[self.grid](**args, num_warps=self.num_warps)
         if self.direct:
-            self.compiled = direct_launcher(handle)
+            self.compiled = compiled_kernel(handle)
 
 
 def _address(value: Any) -> Any:

@@ -24,6 +24,8 @@ it.
 from __future__ import annotations
 
 import functools
+import os
+from typing import Any
 
 import torch
 import triton
@@ -36,7 +38,6 @@ from hf_triaccel._types import (
     NORMALISE_TINY,
     check_statistic_out,
 )
-from hf_triaccel.kernels.launch import direct_launch_supported, direct_launcher
 
 # The row sums' settings, picked on an H200 by benchmarks/bench_row_sums.py over the row
 # sums of a CIFAR ResNet-18's and EfficientNet-B0's refresh (bf16, 4 to 98K columns, 512
@@ -309,6 +310,68 @@ def _split(
     return per_split, _cdiv(n_units, per_split)
 
 
+@functools.cache
+def _direct_launch() -> tuple | None:
+    """What launching a compiled kernel directly needs, ``(knobs, current stream of a
+    device, current device)``, or ``None`` where it is not known to work: under the
+    interpreter, or a Triton older than 3.3 (which passed its launcher only the
+    non-constexpr arguments)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    try:
+        from triton import knobs
+        from triton.runtime.driver import driver
+    except ImportError:
+        return None
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+    if version < (3, 3):
+        return None
+    active = driver.active  # a lazy proxy: its methods are looked up once
+    return knobs, active.get_current_stream, active.get_current_device
+
+
+def compiled_kernel(handle: Any) -> Any:
+    """The compiled kernel a ``kernel[grid](...)`` launch returned (some Triton versions
+    return a future of it)."""
+    return handle.result() if hasattr(handle, "result") else handle
+
+
+def launch_compiled(compiled: Any, grid: tuple[int, ...], args: list) -> None:
+    """Launches ``compiled`` on the current stream as ``JITFunction.run`` would, without
+    binding and specialising the arguments again: ``args`` are every argument of the
+    kernel in order, constexprs included, and must match what ``compiled`` was
+    specialised on (the same constexprs, pointers of the same 16-byte alignment). Only
+    where :func:`direct_launch_supported`.
+
+    A pointer argument may be given as its tensor or as the tensor's address (an int):
+    given a tensor, Triton's launcher asks the driver about the pointer
+    (``cuPointerGetAttribute``) on every launch, host time that the callers here, whose
+    tensors are on the device their plan was made for, save by passing addresses. The
+    caller keeps the tensors alive until the launch is queued."""
+    knobs, current_stream, current_device = _direct_launch()
+    stream = current_stream(current_device())
+    enter_hook = knobs.runtime.launch_enter_hook
+    metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *args)
+    dims = (*grid, 1, 1)
+    compiled.run(
+        dims[0],
+        dims[1],
+        dims[2],
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        metadata,
+        enter_hook,
+        knobs.runtime.launch_exit_hook,
+        *args,
+    )
+
+
+def direct_launch_supported(device: torch.device) -> bool:
+    """Whether compiled kernels on ``device`` can be launched with :func:`launch_compiled`."""
+    return device.type == "cuda" and _direct_launch() is not None
+
+
 class ReductionLaunch:
     """One reduction worked out for one input geometry: its kernel, grid and size
     arguments, and, when the work is split over programs, one ticket per output block
@@ -401,16 +464,15 @@ class ReductionLaunch:
             **self.kwargs,
         )
         if self.template is not None:
-            self.compiled[key] = direct_launcher(compiled)
+            self.compiled[key] = compiled_kernel(compiled)
 
     def _direct(self, compiled, x, out, part, scale, accumulate) -> None:
-        """Launches ``compiled`` (a :func:`~hf_triaccel.kernels.launch.direct_launcher`)
-        with this call's arguments."""
+        """Launches ``compiled`` with this call's arguments (:func:`launch_compiled`)."""
         args = self.template.copy()
         at_scale, at_accumulate = self.at
         args[0], args[1], args[2] = x.data_ptr(), out.data_ptr(), part.data_ptr()
         args[at_scale], args[at_accumulate] = scale, accumulate
-        compiled(self.grid, args)
+        launch_compiled(compiled, self.grid, args)
 
 
 _BLOCK_KEY = {_sum_rows_kernel: "BLOCK_D", _channel_sum_kernel: "BLOCK_C"}

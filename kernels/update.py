@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from hf_triaccel._types import ParamFactors
-from hf_triaccel.kernels.launch import direct_launch_supported, direct_launcher
+from hf_triaccel.kernels.stats import compiled_kernel, direct_launch_supported, launch_compiled
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The parameter dtypes the kernel updates (in float32 arithmetic, float32 momentum).
@@ -542,7 +542,7 @@ def _launch(plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize) -
         for group in plan.groups:
             aligned = group.aligned and group.grads_aligned
             tables = (group.tensor_table, group.grad_table, group.chunk_table)
-            # direct launches pass addresses (see launch.launch_compiled); the compiled code is
+            # direct launches pass addresses (see launch_compiled); the compiled code is
             # specialised on the constexprs and on the pointers' 16-byte alignment
             ptrs = [t.data_ptr() for t in tables]
             key = (*constexprs, aligned, *(p % 16 == 0 for p in ptrs))
@@ -552,7 +552,7 @@ def _launch(plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize) -
             if compiled is not None:
                 meta = (group.param_dtype, group.grad_dtype, *constexprs, aligned)
                 args = [*ptrs, 0.0 if lr_is_tensor else float(lr), lr_ptr, *scalars, *meta]
-                compiled((group.n_chunks,), [*args, group.channels_last, BLOCK])
+                launch_compiled(compiled, (group.n_chunks,), [*args, group.channels_last, BLOCK])
                 continue
             handle = _adafisher_kernel[(group.n_chunks,)](
                 *tables,
@@ -571,7 +571,7 @@ def _launch(plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize) -
                 num_warps=NUM_WARPS,
             )
             if direct:
-                group.compiled[key] = direct_launcher(handle)
+                group.compiled[key] = compiled_kernel(handle)
     return plan.fallback
 
 
