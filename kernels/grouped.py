@@ -18,7 +18,9 @@ addresses per call.
 The tables: the geometry of each input and the program-to-work map are worked out once
 per sequence of reductions and kept with their tickets; what changes from call to call
 (the addresses, the accumulation flag, the scale) is one small host-to-device copy,
-skipped when nothing changed.
+skipped when nothing changed, and kept for the few sets of addresses a training loop
+takes turns with (a new batch's input, allocated while the last one is alive, lands at
+one of two or three addresses).
 
 :func:`launch_gathers` does the same for the convolutions' tap gathers that follow their
 reductions: one kernel per selector width computes every queued ``sums @ taps``.
@@ -61,6 +63,8 @@ PROGRAMS_PER_SM = 2
 # and building the tables again costs their copies; a model whose layers take turns, or
 # inputs whose shapes change, must not pile them up either.
 _MAX_PLANS = 1024
+# Per sequence, the copies of its per-call values kept (see the module).
+TABLES_KEPT = 4
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Per task, the static table holds (int64): rows, columns, row stride, rows per split,
 # splits, partials offset, tickets offset, tail length, square, tail value (float64 bits);
@@ -316,7 +320,7 @@ def group_key(launch: ReductionLaunch, x: torch.Tensor) -> tuple | None:
 class _GroupPlan:
     """The device tables of one sequence of reductions of one group key, and its launch."""
 
-    __slots__ = ("launches", "launch", "part_len", "part", "last", "dynamic")
+    __slots__ = ("launches", "launch", "part_len", "part", "last", "dynamic", "tables")
 
     def __init__(
         self, key: tuple, launches: Sequence[ReductionLaunch], device: torch.device
@@ -345,6 +349,7 @@ class _GroupPlan:
             self.part = torch.empty(self.part_len, dtype=torch.float32, device=device)
         self.last: list[int] | None = None
         self.dynamic: torch.Tensor | None = None
+        self.tables: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
         self.launch = _Launch(
             _grouped_rows_kernel,
             (len(tiles),),
@@ -448,9 +453,16 @@ def _group_plan(
 
 def _run(plan: _GroupPlan, dynamic: list[int], device: torch.device) -> None:
     """Launches ``plan`` with the per-task values ``dynamic`` (copied to the device only
-    when they changed since its last launch)."""
+    when they differ from the last launch's and from every copy kept)."""
     if dynamic != plan.last:
-        plan.dynamic = _to_device(dynamic, torch.int64, device)
+        key = tuple(dynamic)
+        table = plan.tables.pop(key, None)
+        if table is None:
+            table = _to_device(dynamic, torch.int64, device)
+            if len(plan.tables) >= TABLES_KEPT:
+                plan.tables.popitem(last=False)
+        plan.tables[key] = table  # the most recently used last
+        plan.dynamic = table
         plan.last = dynamic
     part = plan.part
     if part is None:  # large: allocated per launch

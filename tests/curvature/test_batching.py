@@ -65,6 +65,50 @@ def test_grouped_launch_matches_one_launch_per_statistic(accumulate, dtype):
             torch.testing.assert_close(out, want, rtol=RTOL, atol=1e-6)
 
 
+def test_grouped_sums_keep_the_tables_of_inputs_that_take_turns(monkeypatch):
+    """A kept grouped launch called on inputs at a few addresses in turn (a loop's
+    batches) copies each set of addresses to the device once, and sums the right inputs;
+    more sets than it keeps are copied again, and still summed right."""
+    cases = _cases()
+    entries = []
+    for x, square, tail in cases:
+        launch = stats.reduction_launch(x, square, tail)
+        entries.append((launch, torch.zeros(x.shape[1] + (tail[0] if tail else 0)), 1.0, False))
+    keys = {grouped.group_key(e[0], x) for e, (x, _, _) in zip(entries, cases, strict=True)}
+    (key,) = keys
+    sums = grouped.GroupedSums(key, entries, torch.device("cpu"))
+    copies = []
+    to_device = grouped._to_device
+    monkeypatch.setattr(grouped, "_to_device", lambda *a: copies.append(a[0]) or to_device(*a))
+
+    def inputs(seed: int) -> list[torch.Tensor]:
+        """New tensors laid out as the cases (a row stride of their own included)."""
+        g = torch.Generator().manual_seed(seed)
+        xs = []
+        for x, _, _ in cases:
+            storage = torch.randn(x.untyped_storage().nbytes() // x.element_size(), generator=g)
+            xs.append(storage.as_strided(x.shape, x.stride(), x.storage_offset()))
+        return xs
+
+    def check(xs: list[torch.Tensor]) -> None:
+        sums(xs)
+        for (launch, out, _, _), x in zip(entries, xs, strict=True):
+            want = torch.zeros_like(out)
+            launch(x, want, 1.0, False)
+            torch.testing.assert_close(out, want, rtol=RTOL, atol=1e-6)
+
+    sets = [inputs(seed) for seed in range(grouped.TABLES_KEPT + 1)]
+    for _ in range(3):
+        for xs in sets[:2]:
+            check(xs)
+    assert len(copies) == 2
+    for _ in range(2):
+        for xs in sets:  # one set more than kept: each call evicts the one it needs next
+            check(xs)
+    # the first pass finds the two kept and copies the others; the second, every one
+    assert len(copies) == 2 + (len(sets) - 2) + len(sets)
+
+
 def test_grouped_gathers_match_matrix_products():
     """Per-position sums (channels-last: a transposed view) gathered by tap selectors
     (transposed too, as the conv rule caches them), of several widths, in two kernels."""
