@@ -46,7 +46,6 @@ from hf_triaccel.kernels.stats import (
     launch_compiled,
     rows_geometry,
     slab_sums,
-    split_partials,
     write_tail,
 )
 
@@ -466,6 +465,6 @@ def _run(plan: _GroupPlan, dynamic: list[int], device: torch.device) -> None:
         plan.dynamic = table
         plan.last = dynamic
     part = plan.part
-    if part is None:  # large: its stream's shared buffer
-        part = split_partials(plan.part_len, device)
+    if part is None:  # large: allocated per launch
+        part = torch.empty(plan.part_len, dtype=torch.float32, device=device)
     plan.launch(dynamic_ptr=plan.dynamic, part_ptr=part)

@@ -55,8 +55,7 @@ _CHANNEL_PROGRAMS_PER_SM = 4
 # kernel; narrow column blocks give short-wide inputs enough programs without a split.
 _MAX_BLOCK_D = 128
 _MAX_BLOCK_L = 512
-# a split launch keeps partial sums up to this many floats (64 KiB) from launch to launch;
-# larger ones go to the buffer its stream's launches share (split_partials)
+# a split launch keeps partial sums up to this many floats (64 KiB) from launch to launch
 KEPT_PARTIALS = 16384
 # Under the CPU interpreter every program costs Python time; a handful still exercises
 # the split-and-finish path.
@@ -368,36 +367,6 @@ def launch_compiled(compiled: Any, grid: tuple[int, ...], args: list) -> None:
     )
 
 
-# per device and stream, the partial sums' buffer its split launches share
-_SHARED_PARTIALS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def split_partials(n: int, device: torch.device) -> torch.Tensor:
-    """Room for ``n`` float32 partial sums of a split launch on ``device``, to be queued on
-    the current stream.
-
-    Launches on one stream run one after another, each done with its partials before the
-    next writes its own, so where kernels are launched directly (:func:`launch_compiled`)
-    every launch on a stream shares one buffer, grown to the largest ``n`` asked for: an
-    allocation saved per launch, host time on a step whose pace the host sets. Elsewhere,
-    and while the stream is captured into a CUDA graph (whose memory the room must then
-    be), the room is allocated per launch.
-
-    Example:
-        >>> split_partials(8, torch.device("cpu")).shape
-        torch.Size([8])
-    """
-    direct = _direct_launch()
-    if direct is None or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.empty(n, device=device)
-    key = (device, direct[1](device.index))
-    part = _SHARED_PARTIALS.get(key)
-    if part is None or part.numel() < n:
-        # the one outgrown goes back to the caching allocator, reused in this stream's order
-        part = _SHARED_PARTIALS[key] = torch.empty(n, device=device)
-    return part
-
-
 def direct_launch_supported(device: torch.device) -> bool:
     """Whether compiled kernels on ``device`` can be launched with :func:`launch_compiled`."""
     return device.type == "cuda" and _direct_launch() is not None
@@ -410,11 +379,11 @@ class ReductionLaunch:
 
     Calling it with a tensor of that geometry (the one whose strides it was made from, or
     any tensor starting at the same element of a storage laid out alike) is one kernel
-    launch and nothing else: no view or check, and no allocation (the partial sums of a
-    split launch over :data:`KEPT_PARTIALS` floats go to :func:`split_partials`; kept per
-    launch, the partials of every layer's statistics would add up to tens of MB).
-    Launches of one object must run in order (one stream), as they share the tickets and
-    the partials kept.
+    launch and nothing else: no view or check, and no allocation but the partial sums of
+    a split launch over :data:`KEPT_PARTIALS` floats, which go back to PyTorch's caching
+    allocator as soon as it is queued (kept, the partials of every layer's statistics
+    would add up to tens of MB). Launches of one object must run in order (one stream),
+    as they share the tickets and the partials kept.
 
     A statistic's launch costs Triton's argument binding and specialisation more host
     time than the kernel takes on the device, so after the first launch of each variant
@@ -457,12 +426,12 @@ class ReductionLaunch:
         # how the grouped kernel cuts this row sum: worked out by kernels.grouped on first use
         self.group: tuple[int, int, int, int, int] | None = None
         # a split launch's partials: kept when small (launches of one object run in order,
-        # as for the tickets), else their size, for split_partials; unsplit, the kernel
-        # never touches partials or tickets: one entry each stands in
-        self.part: torch.Tensor | int = torch.empty(1, device=device)
+        # as for the tickets), else allocated per launch from their shape kept here;
+        # unsplit, the kernel never touches partials or tickets: one entry each stands in
+        self.part: torch.Tensor | tuple[int] = torch.empty(1, device=device)
         if splits > 1:
             size = splits * n
-            self.part = torch.empty(size, device=device) if size <= KEPT_PARTIALS else size
+            self.part = torch.empty(size, device=device) if size <= KEPT_PARTIALS else (size,)
         self.tickets = torch.zeros(grid[0] if splits > 1 else 1, dtype=torch.int32, device=device)
         self.compiled: dict[tuple, object] = {}
         self.template: list | None = None  # every argument in order, for direct launches
@@ -478,7 +447,7 @@ class ReductionLaunch:
         scale = float(scale)  # an int 1 would be specialised as a constant
         part = self.part
         if not isinstance(part, torch.Tensor):
-            part = split_partials(part, out.device)
+            part = torch.empty(part, device=out.device)
         if self.template is not None:
             key = (accumulate, x.dtype, x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
             compiled = self.compiled.get(key)

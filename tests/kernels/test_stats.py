@@ -425,35 +425,3 @@ def test_gpu_repeated_launches_match_the_reference(device):
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=0.0)
     if stats._direct_launch() is not None:
         assert len(launch.compiled) == 4  # written or added, bf16 aligned or not, float32
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_launches_that_share_partials_match_the_reference(device):
-    """Split launches of several geometries, their partial sums in the buffer their stream
-    shares (over :data:`~hf_triaccel.kernels.stats.KEPT_PARTIALS` each), queued in turn
-    without a sync, on the default stream and on a side stream: each sums its own input.
-    The buffer grows to the largest asked and is one per stream."""
-    shapes = [(512 * 1024, 64), (512 * 256, 128), (512 * 64, 512)]
-    xs = [randn(*s, dtype=torch.bfloat16, device=device, seed=i) for i, s in enumerate(shapes)]
-    launches = [stats.reduction_launch(x, square=True) for x in xs]
-    shared = [launch.part for launch in launches if isinstance(launch.part, int)]
-    assert len(shared) >= 2  # not kept with their launch
-    expected = [sum_rows_reference(x, True) for x in xs]
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    for stream in (torch.cuda.current_stream(device), side):
-        with torch.cuda.stream(stream):
-            outs = [torch.zeros(x.shape[1], device=device) for x in xs]
-            for _ in range(3):
-                for launch, x, out in zip(launches, xs, outs, strict=True):
-                    launch(x, out)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        for out, want in zip(outs, expected, strict=True):
-            torch.testing.assert_close(out, want, rtol=1e-4, atol=0.0)
-    if stats._direct_launch() is not None:
-        largest = max(shared)
-        ours = [p for (d, _), p in stats._SHARED_PARTIALS.items() if d == xs[0].device]
-        assert len(ours) >= 2 and all(p.numel() >= largest for p in ours)
-        shared = stats.split_partials(1, xs[0].device)
-        assert shared.data_ptr() == stats.split_partials(largest, xs[0].device).data_ptr()
