@@ -23,8 +23,7 @@ takes turns with (a new batch's input, allocated while the last one is alive, la
 one of two or three addresses).
 
 :func:`launch_gathers` does the same for the convolutions' tap gathers that follow their
-reductions: one kernel per selector width computes every queued ``sums @ taps`` (the
-sums of a grouped convolution's groups added together first).
+reductions: one kernel per selector width computes every queued ``sums @ taps``.
 """
 
 from __future__ import annotations
@@ -159,31 +158,28 @@ def _grouped_gather_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``out = sums.sum(0) @ taps`` for one block of channels of one task: a convolution's
-    per-position sums (G, C, P) (its groups, its input channels per group, the positions),
-    read through their strides, summed over the groups and gathered by its 0/1 tap
+    """``out = sums @ taps`` for one block of channels of one task: a convolution's
+    per-position sums (C, P), read through their strides, gathered by its 0/1 tap
     selector (P, K) into its (C, K) float32 output.
 
     ``tiles`` maps the program to (task, channel block); ``table`` holds per task (int64)
-    the addresses of the sums, the selector and the output, the sums' group, channel and
-    position strides, the selector's position and tap strides, G, C, P and K.
+    the addresses of the sums, the selector and the output, the sums' channel and position
+    strides, the selector's position and tap strides, C, P and K.
     """
     tile = tiles_ptr + tl.program_id(0) * 2
     task = tl.load(tile)
     block = tl.load(tile + 1)
-    row = table_ptr + task * 12
+    row = table_ptr + task * 10
     sums_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
     taps_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
     out_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    stride_g = tl.load(row + 3)
-    stride_c = tl.load(row + 4)
-    stride_p = tl.load(row + 5)
-    stride_tp = tl.load(row + 6)
-    stride_tk = tl.load(row + 7)
-    n_g = tl.load(row + 8)
-    n_c = tl.load(row + 9)
-    n_p = tl.load(row + 10)
-    n_k = tl.load(row + 11)
+    stride_c = tl.load(row + 3)
+    stride_p = tl.load(row + 4)
+    stride_tp = tl.load(row + 5)
+    stride_tk = tl.load(row + 6)
+    n_c = tl.load(row + 7)
+    n_p = tl.load(row + 8)
+    n_k = tl.load(row + 9)
     chans = block * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
     taps = tl.arange(0, BLOCK_K)  # (BLOCK_K,)
     acc = tl.zeros((BLOCK_C, BLOCK_K), dtype=tl.float32)
@@ -191,9 +187,7 @@ def _grouped_gather_kernel(
         pos = p + tl.arange(0, BLOCK_P)  # (BLOCK_P,)
         s_mask = (chans < n_c)[:, None] & (pos < n_p)[None, :]  # (BLOCK_C, BLOCK_P)
         s_ptrs = sums_ptr + chans[:, None] * stride_c + pos[None, :] * stride_p
-        s = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
-        for g in range(0, n_g):  # in order: the sums are reproducible
-            s += tl.load(s_ptrs + g * stride_g, mask=s_mask, other=0.0)
+        s = tl.load(s_ptrs, mask=s_mask, other=0.0)
         t_mask = (pos < n_p)[:, None] & (taps < n_k)[None, :]  # (BLOCK_P, BLOCK_K)
         t_ptrs = taps_ptr + pos[:, None] * stride_tp + taps[None, :] * stride_tk
         t = tl.load(t_ptrs, mask=t_mask, other=0.0)
@@ -216,10 +210,9 @@ def launch_gathers(
     block_k: int, entries: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 ) -> None:
     """``torch.mm(sums, taps, out=out)`` for every entry (sums, taps, out), all of
-    :func:`gather_key` ``block_k``, as one kernel. ``sums`` is a float32 (C, P) view, or
-    (G, C, P) for the sums of G groups, which are added first (``sums.sum(0)``); ``taps``
-    a float32 (P, K) selector (both read through their strides); ``out`` a contiguous
-    float32 (C, K) tensor that no entry reads."""
+    :func:`gather_key` ``block_k``, as one kernel. ``sums`` is a float32 (C, P) view,
+    ``taps`` a float32 (P, K) selector (both read through their strides), ``out`` a
+    contiguous float32 (C, K) tensor that no entry reads."""
     gathers(block_k, entries)()
 
 
@@ -231,8 +224,6 @@ def gathers(
     device = entries[0][0].device
     table = []
     for sums, taps, out in entries:
-        if sums.dim() == 2:  # one group
-            sums = sums.unsqueeze(0)
         table += (sums.data_ptr(), taps.data_ptr(), out.data_ptr(), *sums.stride())
         table += (*taps.stride(), *sums.shape, taps.shape[1])
     key = ("gather", device, tuple(table))
@@ -243,7 +234,7 @@ def gathers(
         tiles = [
             (task, b)
             for task, (sums, _, _) in enumerate(entries)
-            for b in range(-(-sums.shape[-2] // _GATHER_BLOCK_C))
+            for b in range(-(-sums.shape[0] // _GATHER_BLOCK_C))
         ]
         # the addresses are the key: the tables hold nothing that changes
         plan = _PLANS[key] = _Launch(

@@ -166,12 +166,11 @@ def queue_or_launch(
 
 
 def gather_or_mm(sums: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> None:
-    """``torch.mm(sums, taps, out=out)``, with (G, C, P) ``sums`` of G groups summed over
-    them first, queued in the active batch if there is one (for statistics that Triton
-    takes: the batch launches it with Triton)."""
+    """``torch.mm(sums, taps, out=out)``, queued in the active batch if there is one (for
+    statistics that Triton takes: the batch launches it with Triton)."""
     batch = getattr(_ACTIVE, "batch", None)
     if batch is None:
-        torch.mm(sums.sum(0) if sums.dim() == 3 else sums, taps, out=out)
+        torch.mm(sums, taps, out=out)
     else:
         batch.gather(sums, taps, out)
 

@@ -111,24 +111,18 @@ def test_grouped_sums_keep_the_tables_of_inputs_that_take_turns(monkeypatch):
 
 def test_grouped_gathers_match_matrix_products():
     """Per-position sums (channels-last: a transposed view) gathered by tap selectors
-    (transposed too, as the conv rule caches them), of several widths, in three kernels;
-    the sums of a grouped convolution's groups ((positions, groups, channels) permuted to
-    (groups, channels, positions), as the conv rule views them) added first."""
+    (transposed too, as the conv rule caches them), of several widths, in two kernels."""
     g = torch.Generator().manual_seed(1)
     entries, expected = [], []
-    for groups, c, p, k in ((1, 3, 40, 9), (1, 37, 100, 9), (1, 5, 64, 49), (1, 2, 7, 1),
-                            (24, 1, 36, 9), (3, 34, 16, 25)):  # fmt: skip
-        if groups == 1:
-            sums = torch.rand(p, c, generator=g).t()
-        else:
-            sums = torch.rand(p, groups, c, generator=g).permute(1, 2, 0)
+    for c, p, k in ((3, 40, 9), (37, 100, 9), (5, 64, 49), (2, 7, 1)):
+        sums = torch.rand(p, c, generator=g).t()
         taps = (torch.rand(k, p, generator=g) > 0.5).float().t()
         entries.append((sums, taps, torch.full((c, k), -1.0)))
-        expected.append((sums.sum(0) if groups > 1 else sums) @ taps)
+        expected.append(sums @ taps)
     widths: dict[int, list] = {}
     for entry in entries:
         widths.setdefault(grouped.gather_key(entry[1]), []).append(entry)
-    assert sorted(widths) == [16, 32, 64]
+    assert sorted(widths) == [16, 64]
     for width, group in widths.items():
         grouped.launch_gathers(width, group)
     for (_, _, out), want in zip(entries, expected, strict=True):
@@ -191,47 +185,6 @@ def test_collector_launches_statistics_together_and_loses_none(monkeypatch):
     forward_backward(twin, x, w)
     assert len(fast.batches.activations) == len(fast.batches.gradients) == 0  # all launched
     assert max(sizes) > 1
-    for name, layer in fast.layers.items():
-        assert layer.a_count == layer.g_count == 1
-        for got, want in zip(layer.statistics(), plain.layers[name].statistics(), strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
-
-
-class _Depthwise(nn.Module):
-    """A depthwise convolution between two ordinary ones (an inverted residual's core)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.expand = nn.Conv2d(3, 8, 1)
-        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
-        self.wide = nn.Conv2d(8, 8, 5, padding=2, groups=2)  # 2 groups of 4 channels
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.wide(torch.relu(self.depthwise(torch.relu(self.expand(x)))))
-        return self.head(x.mean((2, 3)))
-
-
-def test_grouped_convolutions_gather_their_taps_with_the_others(monkeypatch):
-    """The tap gathers of grouped and depthwise convolutions on channels-last inputs (whose
-    per-position sums are kept per group) go to the grouped gather launches, with no
-    separate sum over the groups, and give the reference's statistics."""
-    gathered, launch = [], grouped.launch_gathers
-
-    def spy(width, entries):
-        gathered.extend(sums.dim() for sums, _, _ in entries)
-        launch(width, entries)
-
-    monkeypatch.setattr(grouped, "launch_gathers", spy)
-    torch.manual_seed(4)
-    model = _Depthwise().to(memory_format=torch.channels_last)
-    twin = copy.deepcopy(model)
-    fast = FisherCollector(model, impl="triton")
-    plain = FisherCollector(twin, impl="reference")
-    x = torch.randn(3, 3, 6, 5).contiguous(memory_format=torch.channels_last)
-    w = forward_backward(model, x)
-    forward_backward(twin, x, w)
-    assert sorted(gathered) == [3, 3]  # the depthwise and the 2-group convolution
     for name, layer in fast.layers.items():
         assert layer.a_count == layer.g_count == 1
         for got, want in zip(layer.statistics(), plain.layers[name].statistics(), strict=True):

@@ -127,9 +127,6 @@ class ConvPlan:
     by_group: torch.Tensor | None  # channels-last with groups: (positions, groups, C/groups)
     group_sum: torch.Tensor | None  # ... and its sum over the groups
     by_channel: torch.Tensor  # the per-position sums as (C/groups, positions)
-    # what a grouped gather reads: by_channel, or the groups' sums as (groups, C/groups,
-    # positions), which it adds together itself
-    gathered: torch.Tensor
     taps: torch.Tensor | None  # (positions, taps) selector; None: gathered per dim
     selectors: list[torch.Tensor] | None  # per-dim window selectors, when taps is None
     spatial: tuple[int, ...]
@@ -205,12 +202,11 @@ def conv_plan(module: nn.Module, x: torch.Tensor, impl: str | None) -> ConvPlan 
         by_group=by_group,
         group_sum=group_sum,
         by_channel=by_channel,
-        gathered=by_channel if by_group is None else by_group.permute(1, 2, 0),
         taps=taps,
         selectors=selectors,
         spatial=spatial,
         head=ViewOf(lambda out: (out[:patch] if bias else out).view(c_group, kernel)),
-        grouped=resolve_impl(impl, device) == "triton" and taps is not None,
+        grouped=resolve_impl(impl, device) == "triton" and taps is not None and by_group is None,
     )
 
 
@@ -277,7 +273,7 @@ class ConvRule(FisherRule):
             x = F.pad(x.unsqueeze(0) if plan.unsqueeze else x, plan.pad, mode=plan.pad_mode)
         plan.reduce(x, plan.per_position)
         if plan.grouped:
-            gather_or_mm(plan.gathered, plan.taps, plan.head(out))
+            gather_or_mm(plan.by_channel, plan.taps, plan.head(out))
         else:
             then(gather_taps, plan, plan.head(out))  # after the reduction, if it is queued
         return plan.count
