@@ -2,10 +2,10 @@
 it down?
 
 For a restructuring that must not change speed. Each commit's package is assembled in a
-scratch folder (``hf_triaccel/`` with ``kernels/`` as ``hf_triaccel.kernels``, as
-pyproject.toml installs it) and timed in its own process, the commits taking turns
-``--rounds`` times so that drift of the GPU's clocks falls on all. This script uses only
-what every version of the package has (``AdaFisherW.from_model``) and none of the
+scratch folder (``hf_triaccel/``; up to dbf24d3 with the top-level ``kernels/``
+moved into it, as pyproject.toml installed it then) and timed in its own process, the
+commits taking turns ``--rounds`` times so that drift of the GPU's clocks falls on all.
+This script uses only what every version of the package has (``AdaFisherW.from_model``) and none of the
 harness, which imports the current package's modules.
 
 Rows: the CIFAR ResNet-18 (3x3 stride-1 stem, no max-pool; channels_last, bf16 autocast,
@@ -15,7 +15,7 @@ without one, medians after warm-up. Usage, from the repository root::
 
     python benchmarks/bench_commits.py OLD NEW [MORE...] [--rounds 2] [--out DIR]
     python benchmarks/bench_commits.py HEAD~1 HEAD --smoke    # CPU, tiny sizes
-    git archive be74c85 hf_triaccel kernels > old.tar   # where the history is not copied
+    git archive dbf24d3 hf_triaccel kernels > old.tar   # where the history is not copied
     python benchmarks/bench_commits.py old.tar new.tar
 """
 
@@ -36,19 +36,28 @@ VARIANTS = (("adamw", 0), ("adafisherw", 1), ("adafisherw", 10**9))  # (optimize
 
 def assemble(commit: str, into: Path) -> Path:
     """The package of ``commit`` as an importable folder under ``into``: ``commit`` is
-    a git revision, or a tar file that ``git archive REV hf_triaccel kernels`` wrote (for
-    a machine that has the working tree but not its history)."""
+    a git revision, or a tar file that ``git archive REV hf_triaccel [kernels]`` wrote (for
+    a machine that has the working tree but not its history). Commits up to dbf24d3 kept
+    the kernels in a top-level ``kernels/`` folder, installed as ``hf_triaccel.kernels``."""
     into.mkdir(parents=True)
     if Path(commit).is_file():
         archive = Path(commit).read_bytes()
     else:
+        listed = subprocess.run(
+            ["git", "-C", str(ROOT), "ls-tree", "--name-only", commit],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        folders = ["hf_triaccel"] + (["kernels"] if "kernels" in listed else [])
         archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", commit, "hf_triaccel", "kernels"],
+            ["git", "-C", str(ROOT), "archive", commit, *folders],
             check=True,
             capture_output=True,
         ).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    (into / "kernels").rename(into / "hf_triaccel" / "kernels")
+    if (into / "kernels").is_dir():
+        (into / "kernels").rename(into / "hf_triaccel" / "kernels")
     return into
 
 

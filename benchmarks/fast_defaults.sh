@@ -63,14 +63,10 @@ mkdir -p "$OUT"
 summary="$OUT/$suite.md"
 : > "$summary"
 
-# The package as this checkout holds it: hf_triaccel/ with kernels/ and model_card_templates/
-# inside it (the layout pyproject.toml installs), first on the path.
+# The package as this checkout holds it, first on the path.
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-cp -r hf_triaccel "$scratch/"
-cp -r kernels "$scratch/hf_triaccel/kernels"
-cp -r model_card_templates "$scratch/hf_triaccel/model_card_templates"
-export PYTHONPATH="$scratch${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import datasets" 2>/dev/null; then
     if compgen -G ".whl/*.whl" > /dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

@@ -33,17 +33,15 @@ PLAIN=("${ACCELERATE[@]}" --num_processes 1 --num_machines 1 --mixed_precision b
     --dynamo_backend no)
 status=0
 
-# An uninstalled checkout: the package assembled as pyproject.toml installs it (kernels/ and
-# model_card_templates/ inside hf_triaccel/) and `datasets` from the wheels in .whl/, both
-# first on the path.
+# An uninstalled checkout: the package from the repository root and `datasets` from the
+# wheels in .whl/, both first on the path.
 if ! python -c "import hf_triaccel.kernels" 2>/dev/null; then
-    scratch=$(mktemp -d)
-    cp -r hf_triaccel "$scratch/" && cp -r kernels "$scratch/hf_triaccel/kernels"
-    cp -r model_card_templates "$scratch/hf_triaccel/model_card_templates"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     if ! python -c "import datasets" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+        scratch=$(mktemp -d)
         python -m pip install -q --no-index --no-deps --target "$scratch" .whl/*.whl
+        export PYTHONPATH="$PYTHONPATH:$scratch"
     fi
-    export PYTHONPATH="$scratch${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 stage() {  # stage NAME SECONDS ARGS...: one launch of the recipe

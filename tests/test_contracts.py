@@ -6,22 +6,16 @@
   torch, triton, the standard library and ``hf_triaccel._types``, nothing else.
 - No private name (leading underscore) is imported from another module.
 - No module of the library is over :data:`MAX_LINES` lines without saying why at its top.
-- The tests run against the installed package, not the checkout's ``hf_triaccel/`` folder.
-
-Each check reads the package where Python imports it from. An editable install maps
-``hf_triaccel.kernels`` onto the checkout's ``kernels/`` folder, which import-linter cannot
-follow (it walks the folder of the top-level package), so the contracts are checked on a
-copy of the package laid out as pyproject.toml installs it.
+- Nothing at the top of the checkout hides an installed distribution when Python runs from
+  the repository root (a ``kernels/`` folder there once hid Hugging Face's ``kernels``).
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,21 +78,6 @@ def imported_modules(path: Path, module: str) -> list[tuple[str, list[str], int]
     return found
 
 
-@pytest.fixture(scope="module")
-def installed_copy(tmp_path_factory) -> Path:
-    """A folder holding the package laid out as it installs (sources only)."""
-    root = tmp_path_factory.mktemp("installed")
-    for package, folder in package_dirs().items():
-        sources = list(folder.glob("*.py"))
-        if not sources:  # a data-only package (templates): nothing to import
-            continue
-        target = root.joinpath(*package.split("."))
-        target.mkdir(parents=True, exist_ok=True)
-        for path in sources:
-            shutil.copy2(path, target / path.name)
-    return root
-
-
 def test_every_package_is_installed():
     """Every folder with an ``__init__.py`` below an installed package is listed in
     pyproject.toml's packages: one that is not works in an editable install and is
@@ -113,9 +92,9 @@ def test_every_package_is_installed():
     assert missing == []
 
 
-def test_import_contracts(installed_copy):
+def test_import_contracts():
     config = ROOT / ".importlinter"
-    env = {**os.environ, "PYTHONPATH": str(installed_copy)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run(
         [
             sys.executable,
@@ -124,7 +103,7 @@ def test_import_contracts(installed_copy):
             str(config),
             "--no-cache",
         ],
-        cwd=installed_copy,
+        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
@@ -214,44 +193,82 @@ def test_long_modules_say_why_at_their_top():
     assert long == []
 
 
-def test_the_tests_import_the_installed_package():
-    """The root conftest.py imports the installed package before the checkout's folder can
-    shadow it: with a regular install, nothing comes from the checkout; with an editable
-    one, the kernels come from kernels/ as mapped."""
-    import hf_triaccel
-    import hf_triaccel.kernels
+def origins(names: list[str], cwd: Path) -> dict[str, str | None]:
+    """Where ``python`` started in ``cwd`` finds each top-level name: the file or folder of
+    its spec, or None when nothing by that name is importable."""
+    probe = (
+        "import importlib.util, json, sys\n"
+        "def origin(name):\n"
+        "    try:\n"
+        "        spec = importlib.util.find_spec(name)\n"
+        "    except (ImportError, ValueError):\n"
+        "        return None\n"
+        "    if spec is None:\n"
+        "        return None\n"
+        "    return spec.origin or ','.join(spec.submodule_search_locations or [])\n"
+        "print(json.dumps({n: origin(n) for n in sys.argv[1:]}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    env.update(EXTRA_PATH_ENV)
+    run = subprocess.run(
+        [sys.executable, "-c", probe, *names],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(run.stdout)
 
-    # the installed metadata, not the checkout's own egg-info in the current folder
-    site = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
-    # the first along the path, as Python's import found the package
-    dist = next(importlib.metadata.distributions(name="hf-triaccel", path=site))
-    direct_url = dist.read_text("direct_url.json")
-    editable = bool(direct_url) and json.loads(direct_url).get("dir_info", {}).get("editable")
-    package = Path(hf_triaccel.__file__).resolve().parent
-    kernels = Path(hf_triaccel.kernels.__file__).resolve().parent
-    if editable:
-        assert package == ROOT / PACKAGE and kernels == ROOT / "kernels"
-    else:
-        assert ROOT not in package.parents and ROOT not in kernels.parents
-        assert kernels == package / "kernels"
+
+# set by the self-test below to stand for an installed distribution
+EXTRA_PATH_ENV: dict[str, str] = {}
 
 
-# the scripts that run an uninstalled checkout by assembling the package in a scratch folder
-ASSEMBLING_SCRIPTS = ("benchmarks/fast_defaults.sh", "recipes/fsdp2_gpu_check.sh")
+def top_level_names(root: Path) -> list[str]:
+    """The names Python could import from the top of ``root``: its modules and folders."""
+    names = {p.stem for p in root.glob("*.py")}
+    names |= {p.name for p in root.iterdir() if p.is_dir() and p.name.isidentifier()}
+    return sorted(names)
 
 
-@pytest.mark.parametrize("script", ASSEMBLING_SCRIPTS)
-def test_scratch_assemblies_copy_every_mapped_folder(script):
-    """A script that assembles the package from the checkout copies each folder that
-    pyproject.toml's ``package-dir`` maps inside the package (``kernels/``,
-    ``model_card_templates/``): an editable install would hide one it left out."""
-    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        mapped = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    text = (ROOT / script).read_text()
-    for package, folder in mapped.items():
-        if package == folder:  # the package itself, copied as it is
-            assert f"cp -r {folder} " in text
-            continue
-        inside = package.replace(".", "/")
-        assert f'cp -r {folder} "$scratch/{inside}"' in text, (script, folder)
+def hidden_by_checkout(root: Path, empty: Path, own: tuple[str, ...] = (PACKAGE,)) -> list[str]:
+    """The names that resolve elsewhere from an empty folder (an installed distribution)
+    and to something else from ``root``: the checkout hides that distribution. ``own`` is
+    this project's package, which from the checkout is the checkout's copy by design."""
+    names = [n for n in top_level_names(root) if n not in own]
+    inside, outside = origins(names, root), origins(names, empty)
+    return [
+        f"{name}: {inside[name]} hides {outside[name]}"
+        for name in names
+        if outside[name] is not None and inside[name] != outside[name]
+    ]
+
+
+def test_nothing_in_the_checkout_hides_an_installed_package(tmp_path):
+    """Run from the repository root, every top-level name of the checkout resolves where it
+    resolves from an empty folder: a checkout folder named like an installed distribution
+    (``kernels``, which transformers requires since 5.25) would shadow it."""
+    assert hidden_by_checkout(ROOT, tmp_path) == []
+
+
+def test_the_shadowing_check_catches_a_hiding_folder(tmp_path, monkeypatch):
+    """The check above, shown to fail: a checkout folder that is a regular package named
+    like an installed one hides it; a folder without ``__init__.py`` does not."""
+    site = tmp_path / "site"
+    for name in ("installed_pkg", "namespace_pkg"):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text("")
+    checkout = tmp_path / "checkout"
+    (checkout / "installed_pkg").mkdir(parents=True)
+    (checkout / "installed_pkg" / "__init__.py").write_text("")
+    (checkout / "namespace_pkg").mkdir()
+    (checkout / "only_here.py").write_text("")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setitem(EXTRA_PATH_ENV, "PYTHONPATH", str(site))
+    assert hidden_by_checkout(checkout, empty) == [
+        f"installed_pkg: {checkout / 'installed_pkg' / '__init__.py'} hides "
+        f"{site / 'installed_pkg' / '__init__.py'}"
+    ]

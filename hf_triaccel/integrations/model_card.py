@@ -3,8 +3,8 @@ publishing a run's folder to the Hugging Face Hub.
 
 ``Trainer.create_model_card`` is a fixed template that fails on models without a
 ``.config`` (timm's), so cards are rendered from the Jinja templates in
-``model_card_templates/`` instead, one per task: ``image_classification.md`` (timm image
-classifiers) and ``text_generation.md`` (transformers causal language models, results
+``hf_triaccel/model_card_templates/`` instead, one per task: ``image_classification.md``
+(timm image classifiers) and ``text_generation.md`` (transformers causal language models, results
 with ``"task": "text-generation"``). The card's YAML front matter carries the evaluation
 accuracy or perplexity and the run's efficiency figures (training time, GPU-hours,
 throughput, peak memory) as ``model-index`` results (``ModelCardData.eval_results``),
@@ -50,18 +50,13 @@ class PushToHubError(RuntimeError):
 def templates_dir() -> Path:
     """The folder of the Jinja model-card templates.
 
-    Installed, the templates are package data of ``hf_triaccel.model_card_templates``;
-    in a source checkout that is not installed that way, they are the repository's
-    ``model_card_templates/`` folder.
+    The templates are package data of ``hf_triaccel.model_card_templates``.
 
     Example:
         >>> (templates_dir() / DEFAULT_TEMPLATE).is_file()
         True
     """
-    try:
-        return Path(os.fspath(resources.files("hf_triaccel.model_card_templates")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "model_card_templates"
+    return Path(os.fspath(resources.files("hf_triaccel.model_card_templates")))
 
 
 def task_of(results: Mapping[str, Any]) -> str:
