@@ -86,10 +86,6 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *pargs, **kwargs):
-        self.telemetry = EfficiencyTelemetry()
-        self.triaccel: TriAccelCallback | None = None
-        if args is not None and uses_adafisher(args):
-            self._hand_over_optimizer(args, pargs, kwargs)
         with trainer_compat.init_arguments(model, args) as init_args:
             super().__init__(model, init_args, *pargs, **kwargs)
         if init_args is not args:
@@ -98,8 +94,12 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
         self._convert_layout(self.model)
         if self.model is not None and not self.label_names and not self._var_keyword():
             self.label_names = ["labels"]  # a forward without **kwargs names no labels
+        self.telemetry = EfficiencyTelemetry()
         # first, so that its metrics reach every reporting callback's on_log
         self.callback_handler.callbacks.insert(0, self.telemetry)
+        self.triaccel: TriAccelCallback | None = None
+        if uses_adafisher(self.args):
+            self._hand_over_optimizer()
         self.elastic: TrainerElasticBatch | None = None
         self.eval_pieces: ElasticEvaluation | None = None
         self._loss_routes = LossRoutes(
@@ -118,28 +118,26 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
                 target_fraction=setting(self.args, "elastic_target_fraction"),
             )
 
-    def _hand_over_optimizer(self, args: TrainingArguments, pargs: tuple, kwargs: dict) -> None:
-        """Gives the Trainer the :class:`TriAccelCallback` of ``args`` and its optimizer
-        factory, unless the caller gave an optimizer of their own."""
-        plugin = plugin_from_args(args)
-        given = (
-            kwargs.get("optimizer_cls_and_kwargs") is not None
-            or (kwargs.get("optimizers") or (None, None))[0] is not None
-        )
-        if given or len(pargs) > 9:  # optimizers or optimizer_cls_and_kwargs by position
+    def _hand_over_optimizer(self) -> None:
+        """Gives the Trainer the :class:`TriAccelCallback` of the arguments and its
+        optimizer factory (``optimizer_cls_and_kwargs``, as if passed to the constructor,
+        which a subclass's constructor may not take), unless the caller gave an optimizer
+        of their own."""
+        plugin = plugin_from_args(self.args)
+        if self.optimizer is not None or self.optimizer_cls_and_kwargs is not None:
             if plugin.precision or plugin.lr_steering:
                 raise ValueError(
                     "triaccel_precision and triaccel_lr_steering need the optimizer "
                     "hf_triaccel builds for optim adafisher(w); an optimizer was given "
                     "(optimizers / optimizer_cls_and_kwargs)"
                 )
-            logger.warning("an optimizer was given: it is used, not optim=%r", args.optim)
+            logger.warning("an optimizer was given: it is used, not optim=%r", self.args.optim)
             return
-        self.triaccel = TriAccelCallback(
-            plugin, report_dir=setting(args, "triaccel_report_dir"), telemetry=self.telemetry
-        )
-        kwargs["optimizer_cls_and_kwargs"] = self.triaccel.optimizer_cls_and_kwargs
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.triaccel]
+        report_dir = setting(self.args, "triaccel_report_dir")
+        self.triaccel = TriAccelCallback(plugin, report_dir=report_dir, telemetry=self.telemetry)
+        self.triaccel.fp16 = bool(self.args.fp16)  # on_init_end has run already
+        self.optimizer_cls_and_kwargs = self.triaccel.optimizer_cls_and_kwargs
+        self.add_callback(self.triaccel)
 
     def _var_keyword(self) -> bool:
         return forward_parameters(self.model)[1]

@@ -39,8 +39,7 @@ from hf_triaccel.integrations.plugin import TriAccelPlugin, check_fsdp_features
 from hf_triaccel.optim.adafisher import OPTIMIZERS
 from hf_triaccel.optim.config import DEFAULT_LR
 
-SETTING = "triaccel_setting"
-"""The metadata key of a field declared by :func:`plugin_field`: the plugin field it sets."""
+_DECLARED: dict[dataclasses.Field, str] = {}  # a field of plugin_field -> the plugin field
 _PLUGIN = {f.name: f for f in dataclasses.fields(TriAccelPlugin)}
 _STOCK = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
 _NEEDS_ADAFISHER = "Needs optim adafisher or adafisherw."
@@ -53,8 +52,10 @@ def plugin_field(name: str, note: str = "", prefix: str = "", **default: Any) ->
     and help, with ``prefix`` and ``note`` around the help."""
     source = _PLUGIN[name]
     text = " ".join(filter(None, [prefix + source.metadata["help"], note]))
-    value = default.pop("default", source.default)
-    return field(default=value, metadata={"help": text, SETTING: name})
+    declared = field(default=default.pop("default", source.default), metadata={"help": text})
+    # kept beside the field: HfArgumentParser hands a field's metadata to argparse whole
+    _DECLARED[declared] = name
+    return declared
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -317,9 +318,7 @@ you mean 'adamw_torch_fused'? ...
 
 
 ARGUMENT_SETTINGS: dict[str, str] = {
-    f.name: f.metadata[SETTING]
-    for f in dataclasses.fields(TriAccelArguments)
-    if SETTING in f.metadata
+    f.name: _DECLARED[f] for f in dataclasses.fields(TriAccelArguments) if f in _DECLARED
 }
 """TriAccelArguments field -> TriAccelPlugin field, read from the declarations above."""
 

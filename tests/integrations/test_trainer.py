@@ -160,12 +160,24 @@ def test_unknown_optimizer_is_rejected_with_the_choices(tmp_path):
     assert "adafisherw" in str(err.value) and "adamw_torch_fused" in str(err.value)
 
 
-def test_plain_trainer_arguments_are_rejected(tmp_path):
-    with pytest.raises(TypeError, match="TriAccelArguments"):
-        TriAccelTrainer(
-            model=tiny_gpt2(),
-            args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True),
-        )
+def test_plain_trainer_arguments_train_as_the_stock_trainer(tmp_path):
+    """Arguments of another class keep every stock default: AdamW, the stock layout."""
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        max_steps=1,
+        per_device_train_batch_size=8,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+    )
+    model = tiny_timm()
+    trainer = TriAccelTrainer(model=model, args=args, train_dataset=ImageSet())
+    trainer.train()
+    assert type(trainer.optimizer.optimizer) is torch.optim.AdamW and trainer.triaccel is None
+    assert not trainer.channels_last
+    assert all(p.is_contiguous() for p in model.parameters())
 
 
 def test_arguments_parse_from_the_command_line(tmp_path):

@@ -16,7 +16,6 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import hf_triaccel  # noqa: E402
-from hf_triaccel.integrations.optimizers import AdaFisherWFactory  # noqa: E402
 from hf_triaccel.integrations.trainer import (  # noqa: E402
     TriAccelArguments,
     TriAccelMixin,
@@ -98,13 +97,23 @@ def test_mixin_with_the_subclass_own_config_keeps_its_optimizer(tmp_path):
 # -- the Trainer's optimizer selection ---------------------------------------------------
 
 
-def test_optimizer_comes_from_the_trainers_selection_path(tmp_path):
+def test_optimizer_comes_through_the_callback_and_its_factory(tmp_path):
+    """The mixin hands the Trainer a TriAccelCallback and its optimizer_cls_and_kwargs:
+    the optimizer the Trainer steps is the one the callback built."""
     args = make_args(tmp_path, max_steps=1, learning_rate=None)
-    factory, kwargs = TriAccelTrainer.get_optimizer_cls_and_kwargs(args, MLP())
-    assert factory is AdaFisherWFactory and kwargs["lr"] == DEFAULT_LR
     trainer = TriAccelTrainer(model=MLP(), args=args, train_dataset=VectorSet())
+    assert trainer.triaccel in trainer.callback_handler.callbacks
+    assert trainer.optimizer_cls_and_kwargs == trainer.triaccel.optimizer_cls_and_kwargs
     trainer.train()
-    assert trainer.optimizer_cls_and_kwargs is None  # the user's argument, never written
+    assert trainer.optimizer.optimizer is trainer.triaccel.optimizer
+    assert {g["lr"] for g in trainer.triaccel.optimizer.param_groups} == {DEFAULT_LR}
+
+
+def test_stock_optimizers_get_no_callback(tmp_path):
+    trainer = TriAccelTrainer(
+        model=MLP(), args=make_args(tmp_path, optim="adamw_torch"), train_dataset=VectorSet()
+    )
+    assert trainer.triaccel is None and trainer.optimizer_cls_and_kwargs is None
 
 
 def test_users_optimizer_cls_and_kwargs_wins(tmp_path):
