@@ -16,8 +16,9 @@ and only change the stem:
 Importing this module registers them, as timm's own model modules do (``import
 hf_triaccel`` alone leaves timm as it is). They are built by timm's own machinery, so
 ``timm.create_model`` rebuilds a saved one from its ``config.json`` and loads its weights:
-:func:`save_model` writes the folder with ``timm.models.save_for_hf``, and ``timm.create_model("local-dir:FOLDER",
-pretrained=True)`` or ``timm.create_model("hf-hub:user/name", pretrained=True)`` loads it.
+:func:`save_model` writes the folder with ``timm.models.save_for_hf``, and
+``timm.create_model("local-dir:FOLDER", pretrained=True)`` or
+``timm.create_model("hf-hub:user/name", pretrained=True)`` loads it.
 ``pretrained=True`` on a bare name has no weights to load: these models train from
 scratch.
 
