@@ -65,9 +65,8 @@ class AdaFisher(Optimizer):
             of modules it covers are preconditioned with their Fisher factors, the
             others with F = 1. Without a collector every parameter gets F = 1
             (a warning says so); :meth:`from_model` builds both in one call.
-        config: the hyperparameters as one
-            :class:`~hf_triaccel.optim.config.AdaFisherConfig`; or else
-        **hyperparameters: its fields by name (``lr``, ``beta``, ``damping``,
+        config: the hyperparameters as an :class:`~hf_triaccel.optim.config.AdaFisherConfig`;
+        **hyperparameters: or else its fields by name (``lr``, ``beta``, ``damping``,
             ``weight_decay``...; same defaults, validated by it). ``ema`` and
             ``factor_init`` must match the collector's.
         maximize: ascend the objective instead of descending it.
@@ -158,15 +157,10 @@ class AdaFisher(Optimizer):
         **hyperparameters: Any,
     ) -> AdaFisher:
         """Builds the collector for ``model`` and the optimizer in one call
-        (:func:`build_adafisher` with this class).
-
-        Args:
-            model: the model to train.
-            params: parameters or param groups; default, the trainable parameters in
-                the groups of :func:`~hf_triaccel.optim.groups.param_groups` (no weight
-                decay on biases and normalisation weights).
-            **hyperparameters: as for the constructor: the fields of
-                :class:`~hf_triaccel.optim.config.AdaFisherConfig` and torch's flags.
+        (:func:`build_adafisher` with this class): ``params`` default to the trainable
+        parameters in the groups of :func:`~hf_triaccel.optim.groups.param_groups` (no
+        weight decay on biases and normalisation weights); ``hyperparameters`` are the
+        constructor's.
 
         Example:
             >>> opt = AdaFisherW.from_model(nn.Linear(4, 2), lr=1e-3, weight_decay=0.01)
@@ -335,8 +329,7 @@ class AdaFisherW(AdaFisher):
     :class:`AdaFisher`.
 
     Example:
-        >>> model = nn.Linear(8, 2)
-        >>> opt = AdaFisherW.from_model(model, lr=1e-3, weight_decay=0.05)
+        >>> opt = AdaFisherW.from_model(nn.Linear(8, 2), lr=1e-3, weight_decay=0.05)
     """
 
     decoupled = True
@@ -348,14 +341,9 @@ OPTIMIZERS: dict[str, type[AdaFisher]] = {"adafisher": AdaFisher, "adafisherw": 
 
 def optimizer_class(name: str | type[AdaFisher], owner: str = "optimizer") -> type[AdaFisher]:
     """The optimizer class named ``name`` (a key of :data:`OPTIMIZERS`, any case; a class
-    passes through).
-
-    Raises:
-        ValueError: naming ``owner`` and listing the valid names.
+    passes through); a ValueError names ``owner`` and the valid names.
 
     Example:
-        >>> optimizer_class("AdaFisherW").__name__
-        'AdaFisherW'
         >>> optimizer_class("adam", "TriAccelPlugin.optimizer")
         Traceback (most recent call last):
         ...
@@ -379,17 +367,14 @@ def build_adafisher(
     **torch_flags: Any,
 ) -> AdaFisher:
     """The one builder of AdaFisher or AdaFisherW with its Fisher collector, which every
-    entry point goes through (``from_model``, the Trainer, Accelerate, the stock-Trainer
-    factory).
+    entry point goes through (``from_model``, the Trainer, Accelerate, the factories).
 
     Args:
         model: the unwrapped model (its modules carry the Fisher factors).
         config: hyperparameters (default: :class:`AdaFisherConfig`'s defaults).
-        optimizer: ``"adafisher"`` (L2 decay), ``"adafisherw"`` (decoupled decay) or
-            one of the classes.
-        params: parameters or param groups; default, the trainable parameters in the two
-            groups of :func:`~hf_triaccel.optim.groups.param_groups` (no decay on
-            biases and normalisation weights).
+        optimizer: ``"adafisher"`` (L2 decay), ``"adafisherw"`` (decoupled) or a class.
+        params: parameters or param groups; default, the trainable parameters in the groups
+            of :func:`~hf_triaccel.optim.groups.param_groups`.
         grad_scaler: the loss scaler of fp16 training, so that statistics are unscaled.
         **torch_flags: ``maximize`` and torch.optim's flags (``foreach``, ``fused``...).
 

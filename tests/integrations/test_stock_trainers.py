@@ -153,7 +153,7 @@ def test_sft_trainer_trains_with_adafisher_through_the_callback(tmp_path):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     tokenizer = word_tokenizer()
-    model = tiny_gpt2(vocab_size=len(tokenizer))
+    model = tiny_gpt2(vocab_size=len(tokenizer), bos_token_id=2, eos_token_id=2)
     triaccel = TriAccelCallback(lr=2e-3, update_every=2)
     attached = AttachedAtEachStep(triaccel)
     args = trl.SFTConfig(
@@ -164,6 +164,8 @@ def test_sft_trainer_trains_with_adafisher_through_the_callback(tmp_path):
         report_to=[],
         use_cpu=True,
         bf16=False,
+        gradient_checkpointing=None,  # TRL's True is a deprecated name in transformers 5.25
+        lr_scheduler_type="constant",
         save_strategy="no",
         disable_tqdm=True,
         dataloader_pin_memory=False,
