@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from hf_triaccel.integrations.trainer import (  # noqa: E402
 )
 from hf_triaccel.optim.adafisher import AdaFisherW  # noqa: E402
 from hf_triaccel.optim.config import DEFAULT_LR  # noqa: E402
-from tests.integrations.tiny import MLP, ImageSet, VectorSet, make_args, tiny_timm  # noqa: E402
+from tests.integrations.tiny import MLP, VectorSet, make_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LEGACY = Path(__file__).resolve().parent / "data" / "checkpoint-v0.1.0"
@@ -130,24 +129,6 @@ def test_users_optimizer_cls_and_kwargs_wins(tmp_path):
 # -- arguments left as given -----------------------------------------------------------
 
 
-def test_arguments_are_never_changed(tmp_path):
-    args = make_args(
-        tmp_path,
-        max_steps=2,
-        auto_find_batch_size=True,
-        remove_unused_columns=True,
-        label_smoothing_factor=0.1,
-        learning_rate=None,
-    )
-    before = args.to_dict()
-    trainer = TriAccelTrainer(model=tiny_timm(), args=args, train_dataset=ImageSet())
-    trainer.train()
-    assert trainer.args is args
-    assert args.to_dict() == before
-    assert trainer.triaccel_settings["learning_rate"] == DEFAULT_LR
-    assert trainer.elastic is not None  # auto_find_batch_size turns it on, on the trainer
-
-
 # -- model_init, hooks only while training -----------------------------------------------
 
 
@@ -192,25 +173,6 @@ def test_hooks_are_attached_for_training_and_removed_after(tmp_path):
 
 
 # -- optional dependencies --------------------------------------------------------------
-
-
-def test_missing_matplotlib_is_reported_at_the_start_and_never_crashes(tmp_path, monkeypatch):
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    args = make_args(
-        tmp_path / "out",
-        max_steps=2,
-        triaccel_precision=True,
-        triaccel_signals_every=1,
-        triaccel_report_dir=str(tmp_path / "reports"),
-    )
-    trainer = TriAccelTrainer(model=MLP(), args=args, train_dataset=VectorSet())
-    with pytest.warns(UserWarning, match="matplotlib") as caught:
-        trainer.train()
-    assert "install" in str(caught[0].message) and "hf-triaccel[hf]" in str(caught[0].message)
-    assert (tmp_path / "reports" / "signals.json").exists()
-    assert not (tmp_path / "reports" / "precision_map.png").exists()
 
 
 # -- version, changelog, checkpoints of 0.1.0 -------------------------------------------
