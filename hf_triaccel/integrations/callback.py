@@ -15,9 +15,9 @@ extension points carry everything AdaFisher needs from the Trainer's lifecycle::
     )
 
 * the factory builds the optimizer, its Fisher collector and the controllers the
-  settings ask for (:meth:`TriAccelPlugin.build <hf_triaccel.integrations.plugin.
-  TriAccelPlugin.build>`), when the Trainer creates its optimizer: before a checkpoint's
-  optimizer state is loaded, so the controllers' state resumes with it;
+  settings ask for (``TriAccelPlugin.build``), when the Trainer creates its optimizer:
+  before a checkpoint's optimizer state is loaded, so the controllers' state resumes
+  with it;
 * ``on_train_begin`` hands the collector the fp16 loss scaler (the prepared optimizer's
   ``scaler``), so that statistics are unscaled, and attaches the hooks again after a
   previous ``train()``;

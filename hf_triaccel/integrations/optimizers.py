@@ -8,9 +8,10 @@ uses (parameters grouped by :func:`~hf_triaccel.optim.groups.param_groups`), fro
 :class:`~hf_triaccel.optim.config.AdaFisherConfig`. With an older transformers, build the
 optimizer yourself and pass ``optimizers=(optimizer, None)``.
 
-The factories alone give the optimizer; :class:`~hf_triaccel.integrations.callback.
-TriAccelCallback` adds what the Trainer's lifecycle needs (hooks detached after training,
-fp16 statistics unscaled, the precision controller and its report).
+The factories alone give the optimizer;
+:class:`~hf_triaccel.integrations.callback.TriAccelCallback` adds what the Trainer's
+lifecycle needs (hooks detached after training, fp16 statistics unscaled, the precision
+controller and its report).
 """
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ you mean 'adamw_torch_fused'? ...
     )
     weight_decay: float = plugin_field(
         "weight_decay",
-        note="Applies to every parameter but biases and normalisation weights.",
+        note="With adafisher(w) it applies to every parameter but biases and normalisation "
+        "weights; transformers' optimizers group the parameters by the Trainer's own rule.",
     )
     adafisher_beta: float = plugin_field("beta", prefix="AdaFisher: ")
     adafisher_damping: float = plugin_field("damping", prefix="AdaFisher: ")

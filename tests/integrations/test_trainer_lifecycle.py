@@ -99,7 +99,7 @@ def test_mixin_with_the_subclass_own_config_keeps_its_optimizer(tmp_path):
 def test_optimizer_comes_through_the_callback_and_its_factory(tmp_path):
     """The mixin hands the Trainer a TriAccelCallback and its optimizer_cls_and_kwargs:
     the optimizer the Trainer steps is the one the callback built."""
-    args = make_args(tmp_path, max_steps=1, learning_rate=None)
+    args = make_args(tmp_path, max_steps=1, learning_rate=None, lr_scheduler_type="constant")
     trainer = TriAccelTrainer(model=MLP(), args=args, train_dataset=VectorSet())
     assert trainer.triaccel in trainer.callback_handler.callbacks
     assert trainer.optimizer_cls_and_kwargs == trainer.triaccel.optimizer_cls_and_kwargs
