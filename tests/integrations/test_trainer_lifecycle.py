@@ -175,6 +175,23 @@ def test_hooks_are_attached_for_training_and_removed_after(tmp_path):
 # -- optional dependencies --------------------------------------------------------------
 
 
+class RaiseAtStep(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        raise RuntimeError("a failure in the middle of training")
+
+
+def test_hooks_come_off_when_training_raises(tmp_path):
+    """on_train_end does not run then: train's cleanup takes the hooks off."""
+    model = MLP()
+    args = make_args(tmp_path, max_steps=2, triaccel_precision=True, triaccel_signals_every=1)
+    trainer = TriAccelTrainer(
+        model=model, args=args, train_dataset=VectorSet(), callbacks=[RaiseAtStep()]
+    )
+    with pytest.raises(RuntimeError, match="middle of training"):
+        trainer.train()
+    assert _hooks(model) == 0 and not trainer.collector.attached
+
+
 # -- version, changelog, checkpoints of 0.1.0 -------------------------------------------
 
 
