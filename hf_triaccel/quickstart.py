@@ -39,7 +39,6 @@ from tqdm.auto import tqdm
 
 from hf_triaccel.data import GPUBatchLoader, ImageTensors, load_image_dataset
 from hf_triaccel.integrations.timm_models import create_cifar_model
-from hf_triaccel.optim.adafisher import OPTIMIZERS as ADAFISHER_OPTIMIZERS
 from hf_triaccel.optim.adafisher import build_adafisher
 from hf_triaccel.optim.config import AdaFisherConfig
 
@@ -90,17 +89,14 @@ CUDA_WARMUP_STEPS = 5
 def build_optimizer(
     name: str, model: nn.Module, lr: float, weight_decay: float
 ) -> torch.optim.Optimizer:
-    """The optimizer ``name`` (one of :data:`OPTIMIZERS`) for every parameter of ``model``:
-    AdaFisher(W) from the package's one builder, AdamW as torch builds it.
+    """The optimizer ``name`` (one of :data:`OPTIMIZERS`) for every parameter of ``model``
+    (AdaFisher and AdaFisherW from the package's builder).
 
     Example:
         >>> opt = build_optimizer("adafisherw", nn.Linear(4, 2), lr=1e-3, weight_decay=5e-4)
-        >>> type(opt).__name__, [g["weight_decay"] for g in opt.param_groups]
-        ('AdaFisherW', [0.0005, 0.0])
     """
-    if name in ADAFISHER_OPTIMIZERS:
-        config = AdaFisherConfig(lr=lr, weight_decay=weight_decay)
-        return build_adafisher(model, config, name)
+    if name in ("adafisher", "adafisherw"):
+        return build_adafisher(model, AdaFisherConfig(lr=lr, weight_decay=weight_decay), name)
     if name == "adamw":
         fused = next(model.parameters()).is_cuda
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=fused)

@@ -4,6 +4,7 @@ Offline: a tiny GPT-2 built from a config and a tokenizer built in the test."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -185,3 +186,45 @@ def test_sft_trainer_trains_with_adafisher_through_the_callback(tmp_path):
     assert {g["lr"] for g in optimizer.param_groups} == {2e-3}  # not SFTConfig's 2e-5
     assert attached.seen == [True] * 3 and not optimizer.collector.attached
     assert not torch.equal(before, model.transformer.wte.weight)
+
+
+def test_sft_trainer_with_the_mixin_gets_the_elastic_batch(tmp_path):
+    """The elastic batch re-runs a step in pieces inside training_step, which no callback
+    reaches: TRL's trainer takes it with TriAccelMixin and a config of both classes."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from hf_triaccel import TriAccelArguments, TriAccelMixin
+
+    @dataclasses.dataclass
+    class Config(TriAccelArguments, trl.SFTConfig):
+        pass
+
+    class TriAccelSFTTrainer(TriAccelMixin, trl.SFTTrainer):
+        pass
+
+    tokenizer = word_tokenizer()
+    args = Config(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        max_length=16,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=None,
+        save_strategy="no",
+        disable_tqdm=True,
+        elastic_batch=True,
+        adafisher_update_every=1,
+    )
+    trainer = TriAccelSFTTrainer(
+        model=tiny_gpt2(vocab_size=len(tokenizer), bos_token_id=2, eos_token_id=2),
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"text": TEXTS}),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    assert trainer.elastic is not None and trainer.elastic.controller.micro_batch == 4
+    assert trainer.optimizer.optimizer is trainer.triaccel.optimizer
+    assert trainer.triaccel.optimizer.fisher_steps == 2
+    assert not trainer.triaccel.optimizer.collector.attached
