@@ -145,18 +145,17 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
     # -- layout ---------------------------------------------------------------------
 
     def _convert_layout(self, model: torch.nn.Module | None) -> None:
-        """Puts a model with 2-D convolutions in channels_last (``triaccel_channels_last``,
-        with AdaFisher only: stock runs keep the stock layout) and records whether batches
-        follow. Sharded models (FSDP, DeepSpeed) keep their layout: their wrappers flatten
-        the parameters."""
+        """Puts a model with 2-D convolutions in channels_last (``triaccel_channels_last``;
+        left unset, with AdaFisher only: stock runs keep the stock layout) and records
+        whether batches follow. Sharded models (FSDP, DeepSpeed) keep their layout: their
+        wrappers flatten the parameters."""
         sharded = getattr(self, "is_fsdp_enabled", False) or getattr(
             self, "is_deepspeed_enabled", False
         )
-        wanted = (
-            uses_adafisher(self.args)
-            and setting(self.args, "triaccel_channels_last")
-            and not sharded
-        )
+        wanted = setting(self.args, "triaccel_channels_last")
+        if wanted is None:
+            wanted = uses_adafisher(self.args)
+        wanted = wanted and not sharded
         self.channels_last = bool(wanted and model is not None and to_channels_last(model))
 
     def call_model_init(self, trial=None):

@@ -184,11 +184,12 @@ you mean 'adamw_torch_fused'? ...
     triaccel_fp32_fraction: float = plugin_field("fp32_fraction")
     triaccel_fp16_fraction: float | None = plugin_field("fp16_fraction")
     triaccel_lr_steering: bool = plugin_field("lr_steering", _NEEDS_ADAFISHER)
-    triaccel_channels_last: bool = plugin_field(
+    triaccel_channels_last: bool | None = plugin_field(
         "channels_last",
-        "With optim adafisher(w) only. The Trainer feeds such a model its 4-D image batches "
-        "in channels_last; sharded models (fsdp, deepspeed) are left as they are. Saved "
-        "weights stay contiguous.",
+        "Default: on with optim adafisher(w), off otherwise (the stock layout). The Trainer "
+        "feeds such a model its 4-D image batches in channels_last; sharded models (fsdp, "
+        "deepspeed) are left as they are. Saved weights stay contiguous.",
+        default=None,
     )
     # -- the Trainer's own settings ---------------------------------------------------
     triaccel_report_dir: str | None = field(
@@ -334,6 +335,8 @@ def plugin_from_args(args: TrainingArguments) -> TriAccelPlugin:
     """
     values = {name: setting(args, argument) for argument, name in ARGUMENT_SETTINGS.items()}
     values["lr"] = resolve_learning_rate(args)
+    if values["channels_last"] is None:  # unset: on with AdaFisher, as the plugin's default
+        del values["channels_last"]
     values["optimizer"] = optim_name(args) if uses_adafisher(args) else "adafisherw"
     names = {name: argument for argument, name in ARGUMENT_SETTINGS.items()}
     return TriAccelPlugin.from_values(values, owner="TriAccelArguments", names=names)
