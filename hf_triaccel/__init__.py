@@ -13,30 +13,25 @@ from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.rules import FactorLayout, FisherRule, register_fisher_rule
 from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.memory import ElasticBatchController, checkpoint_largest_blocks
-from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW, build_adafisher
+from hf_triaccel.optim.config import AdaFisherConfig
 from hf_triaccel.optim.functional import adafisher
 from hf_triaccel.optim.steering import StepSizeSteering
 from hf_triaccel.precision import PrecisionController, PrecisionPolicy, PrecisionRule
 
 __version__ = "0.2.0"
 
-# With timm installed, importing the package registers its CIFAR / Tiny ImageNet models
-# with timm, so that a published model loads with `timm.create_model` after
-# `import hf_triaccel`; without timm the rest of the package works as usual.
-try:
-    import timm  # noqa: F401
-except ImportError:
-    pass
-else:
-    importlib.import_module("hf_triaccel.integrations.timm_models")
-
-# The integrations import transformers / accelerate: load them on first use so that
-# `import hf_triaccel` needs neither.
+# The integrations import transformers / accelerate / timm: load them on first use, so
+# that `import hf_triaccel` needs none of them and changes nothing in them (timm's
+# registries included: its CIFAR models are registered when
+# `hf_triaccel.integrations.timm_models` is imported, its optimizers by
+# `register_timm_optimizers()`).
 _LAZY = {
     "AdaFisherFactory": "hf_triaccel.integrations.optimizers",
     "AdaFisherWFactory": "hf_triaccel.integrations.optimizers",
     "TriAccelArgumentParser": "hf_triaccel.integrations.trainer_args",
     "TriAccelArguments": "hf_triaccel.integrations.trainer_args",
+    "TriAccelCallback": "hf_triaccel.integrations.callback",
     "TriAccelMixin": "hf_triaccel.integrations.trainer",
     "TriAccelPlugin": "hf_triaccel.integrations.plugin",
     "TriAccelTrainer": "hf_triaccel.integrations.trainer",
@@ -54,6 +49,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "AdaFisher",
+    "AdaFisherConfig",
     "AdaFisherFactory",
     "AdaFisherW",
     "AdaFisherWFactory",
@@ -68,10 +64,12 @@ __all__ = [
     "StepSizeSteering",
     "TriAccelArgumentParser",
     "TriAccelArguments",
+    "TriAccelCallback",
     "TriAccelMixin",
     "TriAccelPlugin",
     "TriAccelTrainer",
     "adafisher",
+    "build_adafisher",
     "checkpoint_largest_blocks",
     "prepare_triaccel",
     "register_fisher_rule",

@@ -39,7 +39,8 @@ from tqdm.auto import tqdm
 
 from hf_triaccel.data import GPUBatchLoader, ImageTensors, load_image_dataset
 from hf_triaccel.integrations.timm_models import create_cifar_model
-from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
+from hf_triaccel.optim.adafisher import build_adafisher
+from hf_triaccel.optim.config import AdaFisherConfig
 
 OPTIMIZERS = ("adafisher", "adamw", "adafisherw")
 COMPARED = ("adafisher", "adamw")
@@ -88,15 +89,14 @@ CUDA_WARMUP_STEPS = 5
 def build_optimizer(
     name: str, model: nn.Module, lr: float, weight_decay: float
 ) -> torch.optim.Optimizer:
-    """The optimizer ``name`` (one of :data:`OPTIMIZERS`) for every parameter of ``model``.
+    """The optimizer ``name`` (one of :data:`OPTIMIZERS`) for every parameter of ``model``
+    (AdaFisher and AdaFisherW from the package's builder).
 
     Example:
         >>> opt = build_optimizer("adafisherw", nn.Linear(4, 2), lr=1e-3, weight_decay=5e-4)
     """
-    if name == "adafisherw":
-        return AdaFisherW.from_model(model, lr=lr, weight_decay=weight_decay)
-    if name == "adafisher":
-        return AdaFisher.from_model(model, lr=lr, weight_decay=weight_decay)
+    if name in ("adafisher", "adafisherw"):
+        return build_adafisher(model, AdaFisherConfig(lr=lr, weight_decay=weight_decay), name)
     if name == "adamw":
         fused = next(model.parameters()).is_cuda
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=fused)

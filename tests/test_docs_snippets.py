@@ -10,9 +10,9 @@ hf_triaccel: a reader could not act on one.
 
 The card's block loads the model from the run's folder (``local-dir:``) and, once the run
 is published, from the Hub (``hf-hub:``); here the Hub is offline and its cache holds the
-run's output folder, as after a download. (That ``import hf_triaccel`` alone registers the
-model's architecture with timm is checked in a fresh interpreter by
-tests/test_timm_models.py.)
+run's output folder, as after a download. (That the card's import registers the model's
+architecture with timm, and ``import hf_triaccel`` alone leaves timm as it is, is checked
+in a fresh interpreter by tests/test_timm_models.py.)
 """
 
 from __future__ import annotations

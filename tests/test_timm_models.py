@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,21 +25,38 @@ from hf_triaccel.integrations.timm_models import (  # noqa: E402
 INPUT = {"resnet18_cifar": 32, "efficientnet_b0_cifar": 32, "resnet18_tiny": 64}
 
 
-def test_the_models_are_registered_by_importing_the_package(tmp_path):
-    # a fresh interpreter, outside the checkout (whose folder would shadow the installed
-    # package): timm alone lacks the names, timm plus the package has them (timm has
-    # *_tiny models of its own, so the check is for ours)
-    code = "import sys, timm; {}print(sorted(timm.list_models(sys.argv[1:])))"
-    for package, expected in (("", []), ("import hf_triaccel; ", sorted(MODEL_NAMES))):
-        out = subprocess.run(
-            [sys.executable, "-c", code.format(package), *MODEL_NAMES],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=tmp_path,
-        )
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.split("\n")[-2] == str(expected)
+# a fresh interpreter, outside the checkout (whose folder would shadow the installed
+# package); the package comes from sys.argv[1]. timm has *_tiny models of its own, so the
+# check is for ours.
+_REGISTRIES = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import timm, timm.optim
+
+def registries():
+    return set(timm.list_models()), set(timm.optim.list_optimizers())
+
+before = registries()
+import hf_triaccel
+from hf_triaccel import AdaFisherW, TriAccelArguments, TriAccelTrainer
+assert registries() == before, "import hf_triaccel changed timm's registries"
+import hf_triaccel.integrations.timm_models
+print(sorted(timm.list_models(sys.argv[2:])), hf_triaccel.__file__)
+"""
+
+
+def test_import_leaves_timm_alone_until_a_timm_name_is_used(tmp_path):
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", _REGISTRIES, root, *MODEL_NAMES],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    names, package = out.stdout.split("\n")[-2].rsplit(" ", 1)
+    assert names == str(sorted(MODEL_NAMES)) and package.startswith(root)
     assert set(MODEL_NAMES) == set(INPUT)
 
 

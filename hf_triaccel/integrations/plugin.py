@@ -3,10 +3,14 @@
 Accelerate has no registry for third-party plugins, so this is a dataclass in the
 style of its own plugins (fields with help) plus :func:`prepare_triaccel`, which builds
 the optimizer and its Fisher collector and hands everything to ``Accelerator.prepare``.
-The plugin *is* an :class:`~hf_triaccel.optim.config.AdaFisherConfig` (same fields,
-defaults and validation) with the controllers' settings added; the optimizer is built by
-:func:`~hf_triaccel.integrations.optimizers.build_adafisher`, as in ``TriAccelTrainer``,
-with the same parameter groups. Settings come from the fields only: the one environment
+The plugin *is* an :class:`~hf_triaccel.optim.config.AdaFisherConfig` (the same fields
+under the same names, defaults and validation: a new hyperparameter reaches it without a
+line here) with the optimizer's name and the controllers' settings added. It is the
+settings object of every hf_triaccel run: ``TriAccelArguments.to_plugin()`` gives the
+Trainer's, and :class:`~hf_triaccel.integrations.callback.TriAccelCallback` holds one.
+:meth:`TriAccelPlugin.build` builds the optimizer with
+:func:`~hf_triaccel.optim.adafisher.build_adafisher` (the one builder) and the controllers.
+Settings come from the fields only: the one environment
 variable hf_triaccel reads is ``HF_TRIACCEL_IMPL`` (the kernel implementation).
 
 As in ``TriAccelTrainer``, a model with 2-D convolutions is put in channels_last
@@ -17,7 +21,6 @@ runs its refresh steps eagerly (:mod:`~hf_triaccel.integrations.compiled`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +33,7 @@ from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.integrations.compiled import eager_module, route_refresh_steps
 from hf_triaccel.integrations.layout import channels_last_batch, to_channels_last
-from hf_triaccel.integrations.optimizers import build_adafisher, optimizer_name
-from hf_triaccel.optim.adafisher import AdaFisher
+from hf_triaccel.optim.adafisher import AdaFisher, build_adafisher, optimizer_class
 from hf_triaccel.optim.checkpoint import keep_in_state_dict
 from hf_triaccel.optim.config import AdaFisherConfig
 from hf_triaccel.optim.steering import StepSizeSteering
@@ -106,23 +108,14 @@ class TriAccelPlugin(AdaFisherConfig):
 
     def __post_init__(self) -> None:
         self.validate(owner="TriAccelPlugin")
-        self.optimizer = optimizer_name(self.optimizer, "TriAccelPlugin.optimizer")
+        name = optimizer_class(self.optimizer, "TriAccelPlugin.optimizer").__name__
+        self.optimizer = name.lower()
         for name in ("fp32_fraction", "fp16_fraction"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"TriAccelPlugin.{name}={value!r}: must lie in [0, 1]")
         if not self.signals_every >= 1:
             raise ValueError(f"TriAccelPlugin.signals_every={self.signals_every!r}: needs >= 1")
-
-    def adafisher_config(self) -> AdaFisherConfig:
-        """The optimizer's hyperparameters alone."""
-        return AdaFisherConfig(
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(AdaFisherConfig)}
-        )
-
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        """Hyperparameters of the optimizer constructor."""
-        return self.adafisher_config().optimizer_kwargs()
 
     def build_optimizer(
         self, model: nn.Module, params: Any = None, grad_scaler: torch.amp.GradScaler | None = None
@@ -135,9 +128,37 @@ class TriAccelPlugin(AdaFisherConfig):
                 weight decay on biases and normalisation weights).
             grad_scaler: the loss scaler of fp16 training, so that statistics are unscaled.
         """
-        return build_adafisher(
-            model, self.optimizer, self.adafisher_config(), params=params, grad_scaler=grad_scaler
-        )
+        return build_adafisher(model, self, self.optimizer, params=params, grad_scaler=grad_scaler)
+
+    def build(
+        self,
+        model: nn.Module,
+        *,
+        params: Any = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        fp16: bool = False,
+    ) -> TriAccelParts:
+        """The optimizer and the controllers these settings ask for, on ``model``.
+
+        Args:
+            model: the unwrapped model whose modules carry the Fisher factors.
+            params: parameters or param groups (default: the trainable parameters, without
+                weight decay on biases and normalisation weights).
+            grad_scaler: the loss scaler of fp16 training, so that statistics are unscaled.
+            fp16: whether training runs under fp16 mixed precision.
+
+        Example:
+            >>> parts = TriAccelPlugin(lr_steering=True).build(nn.Linear(4, 2))
+            >>> type(parts.optimizer).__name__, parts.precision, parts.steering is not None
+            ('AdaFisherW', None, True)
+            >>> parts.remove()
+        """
+        optimizer = self.build_optimizer(model, params, grad_scaler)
+        signals, precision = self.build_precision(model, optimizer, fp16=fp16) or (None, None)
+        steering = self.build_steering(optimizer, signals)
+        if steering is not None:
+            signals = steering.tracker
+        return TriAccelParts(optimizer, signals, precision, steering)
 
     def build_precision(
         self, model: nn.Module, optimizer: AdaFisher, *, fp16: bool
@@ -185,6 +206,24 @@ class TriAccelPlugin(AdaFisherConfig):
         steering = StepSizeSteering(signals, optimizer)
         keep_in_state_dict(optimizer, "triaccel_steering", **parts, steering=steering)
         return steering
+
+
+@dataclass
+class TriAccelParts:
+    """What :meth:`TriAccelPlugin.build` builds: the optimizer and its controllers."""
+
+    optimizer: AdaFisher
+    signals: SignalTracker | None = None
+    precision: PrecisionController | None = None
+    steering: StepSizeSteering | None = None
+
+    def remove(self) -> None:
+        """Takes the controllers' hooks off and detaches the collector, which keeps its
+        factors (a repeat does nothing)."""
+        for part in (self.steering, self.precision, self.signals):
+            if part is not None:
+                part.remove()
+        self.optimizer.collector.detach()
 
 
 @dataclass
@@ -324,13 +363,13 @@ def prepare_triaccel(
     compiled, eager = model, eager_module(model)
     model = model if eager is None else eager  # hooks and controllers on the eager modules
     channels_last = plugin.channels_last and to_channels_last(model)
-    optimizer = plugin.build_optimizer(model, params, grad_scaler=accelerator.scaler)
-    signals, precision = plugin.build_precision(
-        model, optimizer, fp16=accelerator.mixed_precision == "fp16"
-    ) or (None, None)
-    steering = plugin.build_steering(optimizer, signals)
-    if steering is not None:
-        signals = steering.tracker
+    parts = plugin.build(
+        model,
+        params=params,
+        grad_scaler=accelerator.scaler,
+        fp16=accelerator.mixed_precision == "fp16",
+    )
+    optimizer = parts.optimizer
     prepared = list(accelerator.prepare(model, optimizer, *others))
     if eager is not None and eager_module(prepared[0]) is None:
         # the user's compile settings, around the prepared (DDP, autocast) module
@@ -342,8 +381,8 @@ def prepare_triaccel(
         prepared[1],
         optimizer.collector,
         tuple(prepared[2:]),
-        signals,
-        precision,
-        steering,
+        parts.signals,
+        parts.precision,
+        parts.steering,
         channels_last,
     )

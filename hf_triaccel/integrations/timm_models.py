@@ -13,11 +13,12 @@ and only change the stem:
 - ``resnet18_tiny``: ``resnet18_cifar`` with the stride-2 max-pool kept, so that on 64x64
   Tiny-ImageNet images (200 classes by default) its first block sees 32x32 maps.
 
-Importing this module registers them (``import hf_triaccel`` does when timm is
-installed). They are built by timm's own machinery, so ``timm.create_model`` rebuilds a
-saved one from its ``config.json`` and loads its weights: :func:`save_model` writes the
-folder with ``timm.models.save_for_hf``, and ``timm.create_model("local-dir:FOLDER",
-pretrained=True)`` or ``timm.create_model("hf-hub:user/name", pretrained=True)`` loads it.
+Importing this module registers them, as timm's own model modules do (``import
+hf_triaccel`` alone leaves timm as it is). They are built by timm's own machinery, so
+``timm.create_model`` rebuilds a saved one from its ``config.json`` and loads its weights:
+:func:`save_model` writes the folder with ``timm.models.save_for_hf``, and
+``timm.create_model("local-dir:FOLDER", pretrained=True)`` or
+``timm.create_model("hf-hub:user/name", pretrained=True)`` loads it.
 ``pretrained=True`` on a bare name has no weights to load: these models train from
 scratch.
 
@@ -199,7 +200,7 @@ def save_model(
 
     ``timm.create_model("local-dir:FOLDER", pretrained=True)`` loads it back, and so does
     ``timm.create_model("hf-hub:user/name", pretrained=True)`` once the folder is on the Hub
-    (after ``import hf_triaccel`` for this module's architectures).
+    (after importing this module, which registers its architectures).
 
     Args:
         model: a model built by ``timm.create_model``.

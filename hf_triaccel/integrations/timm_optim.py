@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.integrations.optimizers import OPTIMIZERS, adafisher_config
-from hf_triaccel.optim.adafisher import AdaFisher
+from hf_triaccel.optim.adafisher import OPTIMIZERS, AdaFisher
 from hf_triaccel.optim.config import AdaFisherConfig
 
 _DESCRIPTIONS = {
@@ -63,8 +62,9 @@ class _BindAtFirstForward:
         if _is_wrapper(module) or not self.params <= set(module.parameters()):
             return
         self.handle.remove()
+        config = optimizer.config
         optimizer.collector = FisherCollector(
-            module, ema=optimizer.ema, factor_init=optimizer.factor_init, impl=optimizer.impl
+            module, ema=config.ema, factor_init=config.factor_init, impl=config.impl
         )
 
 
@@ -73,11 +73,11 @@ def _timm_optimizer(name: str):
 
     def create(params: Any, **kwargs: Any) -> AdaFisher:
         fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
-        config = adafisher_config(f"create_optimizer_v2({name!r})", fields)
+        config = AdaFisherConfig.from_values(fields, owner=f"create_optimizer_v2({name!r})")
         with warnings.catch_warnings():
             # the collector is attached at the first forward (see the module docstring)
             warnings.filterwarnings("ignore", message=".*without a FisherCollector")
-            optimizer = cls(params, None, **config.optimizer_kwargs(), **kwargs)
+            optimizer = cls(params, None, config=config, **kwargs)
         _BindAtFirstForward(optimizer)
         return optimizer
 

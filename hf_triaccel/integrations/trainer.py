@@ -1,23 +1,26 @@
 """transformers integration: ``TriAccelMixin`` for any Trainer, ``TriAccelTrainer``.
 
-The mixin works through the Trainer's own extension points:
+The mixin works through the Trainer's own extension points where one serves, and lists
+each method it still overrides, with the extension point tried, in docs/design.md
+("The Trainer"):
 
-* the optimizer: ``get_optimizer_cls_and_kwargs`` maps ``optim="adafisher(w)"`` to a
-  factory that receives the model (the Trainer's optimizer-selection path; the user's
-  ``optimizer_cls_and_kwargs`` stays theirs), ``get_decay_parameter_names`` applies
-  hf_triaccel's parameter-group rule to every optimizer, and ``create_optimizer`` adds
-  the fp16 loss scaler and the controllers;
+* the optimizer: for ``optim="adafisher(w)"`` the mixin hands the Trainer a
+  :class:`~hf_triaccel.integrations.callback.TriAccelCallback` and its
+  ``optimizer_cls_and_kwargs`` (a user's own ``optimizers`` or
+  ``optimizer_cls_and_kwargs`` stay theirs); the callback builds the optimizer with its
+  collector and controllers, unscales fp16 statistics and writes the precision report,
+  as it does for the stock Trainer;
 * the loss: ``compute_loss`` is the Trainer's for every model whose ``forward`` takes the
   whole batch by name; the others (timm's ``forward(x)``) get the fallback of
   :mod:`~hf_triaccel.integrations.trainer_loss`;
-* the hooks: the Fisher collector is attached while ``train()`` runs and detached when
-  it returns, with the controllers (a later ``train()`` rebuilds them, the optimizer
-  state carried over);
+* ``train``: once per call, the step caches are reset and the optimizer of an earlier
+  ``train()`` is rebuilt with its state; its cleanup takes the hooks off the model when
+  training raises too (``on_train_end`` does not run then);
 * the step: ``training_step`` and the clipping without walks over the model that repeat
   an answer (:mod:`.trainer_step`), or the elastic batch's (``training_step``,
-  ``prediction_step``); telemetry and reports (callbacks); the device image loader;
-* the layout: conv models and their image batches in channels_last (:mod:`.layout`),
-  ``save_model`` (checkpoints, Hub pushes) writing contiguous weights;
+  ``prediction_step``); telemetry (a callback); the device image loader;
+* the layout: with AdaFisher, conv models and their image batches in channels_last
+  (:mod:`.layout`), ``save_model`` (checkpoints, Hub pushes) writing contiguous weights;
 * ``torch_compile``: refresh steps run the eager module (:mod:`.compiled`), the
   compilation time logged as ``compile_seconds``.
 
@@ -27,7 +30,6 @@ in :attr:`TriAccelMixin.triaccel_settings` and are logged once per ``train()``.
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
@@ -36,8 +38,8 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LabelSmoother
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.integrations import trainer_compat
+from hf_triaccel.integrations.callback import TriAccelCallback, inner_optimizer
 from hf_triaccel.integrations.compiled import (
     CompileClock,
     check_cuda_graphs,
@@ -50,13 +52,11 @@ from hf_triaccel.integrations.layout import (
     contiguous_weights,
     to_channels_last,
 )
-from hf_triaccel.integrations.optimizers import FACTORIES
 from hf_triaccel.integrations.plugin import check_distributed_support
-from hf_triaccel.integrations.precision_report import PrecisionReport, write_precision_report
+from hf_triaccel.integrations.precision_report import write_precision_report
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
 from hf_triaccel.integrations.trainer_args import (
     TriAccelArguments,
-    config_from_args,
     optim_name,
     plugin_from_args,
     resolve_learning_rate,
@@ -66,21 +66,10 @@ from hf_triaccel.integrations.trainer_args import (
 from hf_triaccel.integrations.trainer_data import DeviceImagesMixin
 from hf_triaccel.integrations.trainer_loss import LossRoutes, fallback_loss, forward_parameters
 from hf_triaccel.integrations.trainer_step import LeanStepMixin
-from hf_triaccel.optim.adafisher import AdaFisher
-from hf_triaccel.optim.groups import no_decay_names
-from hf_triaccel.optim.steering import StepSizeSteering
-from hf_triaccel.precision import PrecisionController
 
 __all__ = ["TriAccelArguments", "TriAccelMixin", "TriAccelTrainer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _inner(optimizer: Any) -> Any:
-    """The torch optimizer inside Accelerate's (or SageMaker's) wrapper."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, DeviceImagesMixin):
@@ -89,7 +78,11 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
 
     Settings come from the arguments' :class:`TriAccelArguments` fields; arguments of
     another class (a TRL config) use their defaults, and a config class that takes both
-    (``@dataclass class Config(TriAccelArguments, SFTConfig)``) gives access to all.
+    (``@dataclass class Config(TriAccelArguments, SFTConfig)``) gives access to all. For
+    AdaFisher alone (hooks, controllers, precision report) the stock Trainer needs no
+    mixin: see :class:`~hf_triaccel.integrations.callback.TriAccelCallback`; the mixin
+    adds the elastic batch, the telemetry, channels_last, timm's ``forward(x)`` and the
+    device image loader.
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *pargs, **kwargs):
@@ -104,18 +97,14 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
         self.telemetry = EfficiencyTelemetry()
         # first, so that its metrics reach every reporting callback's on_log
         self.callback_handler.callbacks.insert(0, self.telemetry)
-        self.signals: SignalTracker | None = None
-        self.precision: PrecisionController | None = None
-        self.steering: StepSizeSteering | None = None
+        self.triaccel: TriAccelCallback | None = None
+        if uses_adafisher(self.args):
+            self._hand_over_optimizer()
         self.elastic: TrainerElasticBatch | None = None
         self.eval_pieces: ElasticEvaluation | None = None
-        self._built: Any = None  # the optimizer this mixin built and hooked
-        self._carried_state: dict[str, Any] | None = None
         self._loss_routes = LossRoutes(
             lambda m: self.accelerator.unwrap_model(m, keep_torch_compile=False)
         )
-        if setting(self.args, "triaccel_precision"):
-            self.add_callback(PrecisionReport(self))
         if uses_adafisher(self.args):
             check_distributed_support(self.accelerator.distributed_type)
         check_cuda_graphs(self.args)
@@ -129,19 +118,44 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
                 target_fraction=setting(self.args, "elastic_target_fraction"),
             )
 
+    def _hand_over_optimizer(self) -> None:
+        """Gives the Trainer the :class:`TriAccelCallback` of the arguments and its
+        optimizer factory (``optimizer_cls_and_kwargs``, as if passed to the constructor,
+        which a subclass's constructor may not take), unless the caller gave an optimizer
+        of their own."""
+        plugin = plugin_from_args(self.args)
+        if self.optimizer is not None or self.optimizer_cls_and_kwargs is not None:
+            if plugin.precision or plugin.lr_steering:
+                raise ValueError(
+                    "triaccel_precision and triaccel_lr_steering need the optimizer "
+                    "hf_triaccel builds for optim adafisher(w); an optimizer was given "
+                    "(optimizers / optimizer_cls_and_kwargs)"
+                )
+            logger.warning("an optimizer was given: it is used, not optim=%r", self.args.optim)
+            return
+        report_dir = setting(self.args, "triaccel_report_dir")
+        self.triaccel = TriAccelCallback(plugin, report_dir=report_dir, telemetry=self.telemetry)
+        self.triaccel.fp16 = bool(self.args.fp16)  # on_init_end has run already
+        self.optimizer_cls_and_kwargs = self.triaccel.optimizer_cls_and_kwargs
+        self.add_callback(self.triaccel)
+
     def _var_keyword(self) -> bool:
         return forward_parameters(self.model)[1]
 
     # -- layout ---------------------------------------------------------------------
 
     def _convert_layout(self, model: torch.nn.Module | None) -> None:
-        """Puts a model with 2-D convolutions in channels_last (``triaccel_channels_last``)
-        and records whether batches follow. Sharded models (FSDP, DeepSpeed) keep their
-        layout: their wrappers flatten the parameters."""
+        """Puts a model with 2-D convolutions in channels_last (``triaccel_channels_last``;
+        left unset, with AdaFisher only: stock runs keep the stock layout) and records
+        whether batches follow. Sharded models (FSDP, DeepSpeed) keep their layout: their
+        wrappers flatten the parameters."""
         sharded = getattr(self, "is_fsdp_enabled", False) or getattr(
             self, "is_deepspeed_enabled", False
         )
-        wanted = setting(self.args, "triaccel_channels_last") and not sharded
+        wanted = setting(self.args, "triaccel_channels_last")
+        if wanted is None:
+            wanted = uses_adafisher(self.args)
+        wanted = wanted and not sharded
         self.channels_last = bool(wanted and model is not None and to_channels_last(model))
 
     def call_model_init(self, trial=None):
@@ -176,86 +190,39 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
         message = "hf_triaccel: optim=%s, learning_rate=%g (%s), elastic batch %s"
         logger.info(message, s["optim"], s["learning_rate"], source, on)
 
-    # -- optimizer ------------------------------------------------------------------
-
-    @classmethod
-    def get_optimizer_cls_and_kwargs(
-        cls, args: TrainingArguments, model: torch.nn.Module | None = None
-    ) -> tuple[Any, dict[str, Any]]:
-        """``(factory, hyperparameters)`` for ``optim="adafisher(w)"`` (the Trainer calls
-        the factory with the model), else the Trainer's own choice, with the learning
-        rate resolved when ``args`` leave it unset."""
-        if uses_adafisher(args):
-            return FACTORIES[optim_name(args)], config_from_args(args).optimizer_kwargs()
-        if args.learning_rate is None:
-            args = copy.copy(args)  # the caller's object stays as given
-            args.learning_rate = resolve_learning_rate(args)
-        return super().get_optimizer_cls_and_kwargs(args, model)
-
-    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
-        """Every parameter but biases and normalisation weights (hf_triaccel's rule, the
-        one AdaFisher's factory applies too)."""
-        skip = no_decay_names(model)
-        return [name for name, _ in model.named_parameters() if name not in skip]
-
     @property
     def collector(self):
         """The Fisher collector of the optimizer (``None`` before it is created)."""
-        return getattr(_inner(self.optimizer), "collector", None)
+        return getattr(inner_optimizer(self.optimizer), "collector", None)
 
-    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
-        if self.optimizer is not None:
-            return super().create_optimizer(model)
-        if self.optimizer_cls_and_kwargs is not None and uses_adafisher(self.args):
-            logger.warning(
-                "optimizer_cls_and_kwargs was given: it is used, not optim=%r", self.args.optim
-            )
-        optimizer = super().create_optimizer(model)
-        inner = _inner(optimizer)
-        unwrapped = self.accelerator.unwrap_model(
-            self.model if model is None else model, keep_torch_compile=False
-        )
-        plugin = plugin_from_args(self.args)
-        if not isinstance(inner, AdaFisher):
-            if plugin.precision or plugin.lr_steering:
-                raise ValueError(
-                    "triaccel_precision and triaccel_lr_steering need AdaFisher or AdaFisherW, "
-                    f"got {type(inner).__name__}"
-                )
-            return optimizer
-        inner.collector.grad_scaler = self.accelerator.scaler
-        controllers = plugin.build_precision(unwrapped, inner, fp16=self.args.fp16)
-        if controllers is not None:
-            self.signals, self.precision = controllers
-            self.telemetry.add_provider(self.precision.counts, "precision")
-        self.steering = plugin.build_steering(inner, self.signals)
-        if self.steering is not None:
-            self.signals = self.steering.tracker
-            self.telemetry.add_provider(self.steering.summary, "steering")
-        if self._carried_state is not None:
-            inner.load_state_dict(self._carried_state)
-            self._carried_state = None
-        self._built = inner
-        return optimizer
+    def _part(self, name: str) -> Any:
+        parts = None if self.triaccel is None else self.triaccel.parts
+        return None if parts is None else getattr(parts, name)
 
-    def _detach(self) -> None:
-        """Takes what :meth:`create_optimizer` built off the model: the controllers' hooks
-        are removed, the collector detaches and keeps its factors (a repeat does nothing)."""
-        if self._built is None:
-            return
-        for part in (self.steering, self.precision, self.signals):
-            if part is not None:
-                part.remove()
-        self._built.collector.detach()
+    @property
+    def precision(self):
+        """The precision controller (``triaccel_precision``; ``None`` without)."""
+        return self._part("precision")
+
+    @property
+    def signals(self):
+        """The signal tracker of the controllers (``None`` without one)."""
+        return self._part("signals")
+
+    @property
+    def steering(self):
+        """The step-size steering (``triaccel_lr_steering``; ``None`` without)."""
+        return self._part("steering")
 
     # -- training -------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        rebuild = self._built is not None and _inner(self.optimizer) is self._built
-        if rebuild and not self._built.collector.attached and self.model_init is None:
+        built = None if self.triaccel is None else self.triaccel.optimizer
+        rebuild = built is not None and inner_optimizer(self.optimizer) is built
+        if rebuild and not built.collector.attached and self.model_init is None:
             # detached when the last train() returned: rebuild the optimizer (a collector
             # attached again, new controllers) on the same model, carrying its state over
-            self._carried_state = self._built.state_dict()
+            self.triaccel.carry_state(built.state_dict())
             self.optimizer = None
         if self.elastic is not None:
             path = resume_from_checkpoint
@@ -263,10 +230,13 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
                 path = get_last_checkpoint(self.args.output_dir)
             self.elastic.resume(path or None)
         self._log_settings()
+        self.resolve_lean_step()
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            self._detach()
+            # on_train_end does not run when training raises: the hooks come off here
+            if self.triaccel is not None:
+                self.triaccel.detach()
 
     def compute_loss(
         self,
@@ -348,8 +318,10 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
             return
         folder = output_dir or self.args.output_dir
         self.telemetry.write_report(folder)
-        if self.precision is not None:
-            write_precision_report(folder, self.precision, self.signals, self.state.global_step)
+        parts = None if self.triaccel is None else self.triaccel.parts
+        if parts is not None and parts.precision is not None:
+            step = self.state.global_step
+            write_precision_report(folder, parts.precision, parts.signals, step)
 
 
 class TriAccelTrainer(TriAccelMixin, Trainer):
@@ -389,12 +361,7 @@ class TriAccelTrainer(TriAccelMixin, Trainer):
         (0.012, False)
     """
 
-    def __init__(self, model=None, args: TriAccelArguments | None = None, *a, **kw) -> None:
+    def __init__(self, model=None, args: TrainingArguments | None = None, *a, **kw) -> None:
         if args is None:
             args = TriAccelArguments(output_dir="trainer_output")
-        if not isinstance(args, TriAccelArguments):
-            raise TypeError(
-                f"TriAccelTrainer needs TriAccelArguments, got {type(args).__name__}; "
-                "TriAccelArguments accepts every TrainingArguments field"
-            )
         super().__init__(model, args, *a, **kw)

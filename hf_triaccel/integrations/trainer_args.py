@@ -3,13 +3,20 @@
 Over 400 lines: HfArgumentParser reads one dataclass, so every setting of the optimizer
 and the controllers is a field here, each with its help, beside the parser that reads them.
 
-AdaFisher's fields take their defaults, help and validation from
-:class:`~hf_triaccel.optim.config.AdaFisherConfig`. ``learning_rate`` defaults to ``None``,
-meaning "the chosen optimizer's own default": AdaFisher's for ``adafisher`` /
-``adafisherw``, transformers' for its optimizers. ``TrainingArguments`` cannot tell a
-learning rate left at its default (5e-5) from one set to that value, so ``None`` is the
-one unambiguous "not set"; the resolved value is reported by the trainer and never
-written back into the arguments.
+The fields that set a :class:`~hf_triaccel.integrations.plugin.TriAccelPlugin` field (an
+:class:`~hf_triaccel.optim.config.AdaFisherConfig` field for the optimizer's own) are
+declared with :func:`plugin_field`, which takes the default and help from the plugin and
+records the plugin field's name: those declarations are the one table from the Trainer's
+names to the configuration's (:data:`ARGUMENT_SETTINGS`), and :func:`plugin_from_args`
+the one way arguments become a configuration.
+
+Stock defaults change only where the arguments ask for hf_triaccel's optimizer (``optim``
+``adafisher`` / ``adafisherw``, the default here): the learning rate left unset (``None``)
+is AdaFisher's own, nan/inf filtering of the logged loss is off and memory is pinned only
+where an accelerator exists. With any other ``optim`` these fields take transformers'
+defaults. ``TrainingArguments`` cannot tell a learning rate left at its default (5e-5) from
+one set to that value, so ``None`` is the one unambiguous "not set"; the resolved value is
+reported by the trainer and never written back into the arguments.
 
 :class:`TriAccelArgumentParser` reads them from a command line, with errors of one line
 that name the flag.
@@ -28,46 +35,27 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from hf_triaccel.integrations.optimizers import OPTIMIZERS, adafisher_config
 from hf_triaccel.integrations.plugin import TriAccelPlugin, check_fsdp_features
-from hf_triaccel.optim.config import DEFAULT_LR, AdaFisherConfig
+from hf_triaccel.optim.adafisher import OPTIMIZERS
+from hf_triaccel.optim.config import DEFAULT_LR
 
-# AdaFisherConfig field -> TriAccelArguments field
-CONFIG_NAMES = {
-    "lr": "learning_rate",
-    "beta": "adafisher_beta",
-    "damping": "adafisher_damping",
-    "gamma": "adafisher_gamma",
-    "update_every": "adafisher_update_every",
-    "weight_decay": "weight_decay",
-    "ema": "adafisher_ema",
-    "normalise": "adafisher_normalise",
-    "factor_init": "adafisher_factor_init",
-    "impl": "triaccel_impl",
-}
-# TriAccelPlugin field -> TriAccelArguments field: the controllers' settings
-PLUGIN_NAMES = {
-    "precision": "triaccel_precision",
-    "signals_every": "triaccel_signals_every",
-    "fp32_fraction": "triaccel_fp32_fraction",
-    "fp16_fraction": "triaccel_fp16_fraction",
-    "lr_steering": "triaccel_lr_steering",
-    "channels_last": "triaccel_channels_last",
-}
+_DECLARED: dict[dataclasses.Field, str] = {}  # a field of plugin_field -> the plugin field
 _PLUGIN = {f.name: f for f in dataclasses.fields(TriAccelPlugin)}
+_STOCK = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
 _NEEDS_ADAFISHER = "Needs optim adafisher or adafisherw."
-STOCK_DEFAULT_LR: float = next(
-    f.default for f in dataclasses.fields(TrainingArguments) if f.name == "learning_rate"
-)
+STOCK_DEFAULT_LR: float = _STOCK["learning_rate"]
 """transformers' default learning rate, the default of its own optimizers here too."""
 
 
-def _from_plugin(name: str, note: str = "", prefix: str = "") -> Any:
-    """A field with the default and help of ``TriAccelPlugin.<name>`` (an AdaFisherConfig
-    field for the optimizer's own), with ``prefix`` and ``note`` around the help."""
+def plugin_field(name: str, note: str = "", prefix: str = "", **default: Any) -> Any:
+    """A field that sets ``TriAccelPlugin.<name>``: the plugin's default (or ``default=``)
+    and help, with ``prefix`` and ``note`` around the help."""
     source = _PLUGIN[name]
     text = " ".join(filter(None, [prefix + source.metadata["help"], note]))
-    return field(default=source.default, metadata={"help": text})
+    declared = field(default=default.pop("default", source.default), metadata={"help": text})
+    # kept beside the field: HfArgumentParser hands a field's metadata to argparse whole
+    _DECLARED[declared] = name
+    return declared
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -123,27 +111,23 @@ def setting(args: TrainingArguments, name: str) -> Any:
     return TriAccelArguments.__dataclass_fields__[name].default
 
 
-def config_from_args(args: TrainingArguments, owner: str = "TriAccelArguments") -> AdaFisherConfig:
-    """The :class:`AdaFisherConfig` that ``args`` describe, learning rate resolved."""
-    values = {name: setting(args, field_name) for name, field_name in CONFIG_NAMES.items()}
-    values["lr"] = resolve_learning_rate(args)
-    return adafisher_config(owner, values, CONFIG_NAMES)
-
-
 @dataclass
 class TriAccelArguments(TrainingArguments):
     """``TrainingArguments`` with hf_triaccel's settings (each a CLI flag through
     ``HfArgumentParser``).
 
-    ``optim`` also accepts ``"adafisher"`` and ``"adafisherw"`` (the default).
-    ``learning_rate`` left unset (``None``) means the chosen optimizer's default;
-    ``weight_decay`` is the Trainer's own and applies, with every optimizer, to all
-    parameters but biases and normalisation weights.
+    ``optim`` also accepts ``"adafisher"`` and ``"adafisherw"`` (the default). Only with
+    those does a stock default change (``learning_rate``, ``logging_nan_inf_filter``,
+    ``dataloader_pin_memory``, each field's help says how); ``weight_decay`` is the
+    Trainer's own.
 
     Example:
         >>> args = TriAccelArguments(output_dir="out")
         >>> args.optim, args.learning_rate, resolve_learning_rate(args)
         ('adafisherw', None, 0.012)
+        >>> stock = TriAccelArguments(output_dir="out", optim="adamw_torch")
+        >>> stock.learning_rate, stock.logging_nan_inf_filter
+        (5e-05, True)
         >>> TriAccelArguments(output_dir="out", optim="adamw_torch_fuse")
         Traceback (most recent call last):
         ...
@@ -154,45 +138,60 @@ you mean 'adamw_torch_fused'? ...
     optim: str = field(
         default="adafisherw",
         metadata={
-            "help": "Optimizer: adafisher, adafisherw (Fisher-preconditioned, hf_triaccel) "
-            "or any name transformers' `optim` accepts (e.g. adamw_torch_fused)."
-        },
-    )
-    learning_rate: float | None = field(
-        default=None,
-        metadata={
-            "help": f"Initial learning rate. Default: the optimizer's own ({DEFAULT_LR} for "
-            f"adafisher / adafisherw, {STOCK_DEFAULT_LR} for transformers' optimizers)."
+            "help": "Optimizer: adafisher, adafisherw (Fisher-preconditioned, hf_triaccel; the "
+            "default here) or any name transformers' `optim` accepts (e.g. adamw_torch_fused), "
+            "with which every other field keeps transformers' default."
         },
     )
     dataloader_pin_memory: bool = field(
         default=True,
         metadata={
-            "help": "Pin the batches' host memory for faster copies to the accelerator. Off "
-            "where torch finds no accelerator, as pinning there does nothing."
+            "help": "Pin the batches' host memory for faster copies to the accelerator. With "
+            "optim adafisher(w): off where torch finds no accelerator, as pinning there does "
+            "nothing."
         },
     )
-    logging_nan_inf_filter: bool = field(
-        default=False,
+    logging_nan_inf_filter: bool | None = field(
+        default=None,
         metadata={
-            "help": "Leave nan/inf losses out of the logged loss. Off by default here (on in "
-            "transformers): the check reads the loss back at every step, a GPU sync that "
-            "costs throughput on small models."
+            "help": "Leave nan/inf losses out of the logged loss. Default: off with optim "
+            "adafisher(w) (the check reads the loss back at every step, a GPU sync that costs "
+            "throughput on small models), transformers' default (on) otherwise."
         },
     )
-    adafisher_beta: float = _from_plugin("beta", prefix="AdaFisher: ")
-    adafisher_damping: float = _from_plugin("damping", prefix="AdaFisher: ")
-    adafisher_gamma: float = _from_plugin("gamma", prefix="AdaFisher: ")
-    adafisher_update_every: int | None = _from_plugin("update_every", prefix="AdaFisher: ")
-    adafisher_ema: str = _from_plugin("ema", prefix="AdaFisher: ")
-    adafisher_normalise: str = _from_plugin("normalise", prefix="AdaFisher: ")
-    adafisher_factor_init: str = _from_plugin("factor_init", prefix="AdaFisher: ")
-    triaccel_impl: str | None = _from_plugin("impl", prefix="AdaFisher: ")
-    triaccel_precision: bool = _from_plugin("precision", _NEEDS_ADAFISHER)
-    triaccel_signals_every: int = _from_plugin("signals_every")
-    triaccel_fp32_fraction: float = _from_plugin("fp32_fraction")
-    triaccel_fp16_fraction: float | None = _from_plugin("fp16_fraction")
-    triaccel_lr_steering: bool = _from_plugin("lr_steering", _NEEDS_ADAFISHER)
+    # -- the settings of the run's TriAccelPlugin: Trainer name -> plugin field ------------
+    learning_rate: float | None = plugin_field(
+        "lr",
+        default=None,
+        note=f"Default: the optimizer's own ({DEFAULT_LR} for adafisher / adafisherw, "
+        f"transformers' {STOCK_DEFAULT_LR} for its optimizers).",
+    )
+    weight_decay: float = plugin_field(
+        "weight_decay",
+        note="With adafisher(w) it applies to every parameter but biases and normalisation "
+        "weights; transformers' optimizers group the parameters by the Trainer's own rule.",
+    )
+    adafisher_beta: float = plugin_field("beta", prefix="AdaFisher: ")
+    adafisher_damping: float = plugin_field("damping", prefix="AdaFisher: ")
+    adafisher_gamma: float = plugin_field("gamma", prefix="AdaFisher: ")
+    adafisher_update_every: int | None = plugin_field("update_every", prefix="AdaFisher: ")
+    adafisher_ema: str = plugin_field("ema", prefix="AdaFisher: ")
+    adafisher_normalise: str = plugin_field("normalise", prefix="AdaFisher: ")
+    adafisher_factor_init: str = plugin_field("factor_init", prefix="AdaFisher: ")
+    triaccel_impl: str | None = plugin_field("impl", prefix="AdaFisher: ")
+    triaccel_precision: bool = plugin_field("precision", _NEEDS_ADAFISHER)
+    triaccel_signals_every: int = plugin_field("signals_every")
+    triaccel_fp32_fraction: float = plugin_field("fp32_fraction")
+    triaccel_fp16_fraction: float | None = plugin_field("fp16_fraction")
+    triaccel_lr_steering: bool = plugin_field("lr_steering", _NEEDS_ADAFISHER)
+    triaccel_channels_last: bool | None = plugin_field(
+        "channels_last",
+        "Default: on with optim adafisher(w), off otherwise (the stock layout). The Trainer "
+        "feeds such a model its 4-D image batches in channels_last; sharded models (fsdp, "
+        "deepspeed) are left as they are. Saved weights stay contiguous.",
+        default=None,
+    )
+    # -- the Trainer's own settings ---------------------------------------------------
     triaccel_report_dir: str | None = field(
         default=None,
         metadata={
@@ -219,11 +218,6 @@ you mean 'adamw_torch_fused'? ...
         default=0.9,
         metadata={"help": "Elastic batch: peak memory target, as a share of what the GPU gives."},
     )
-    triaccel_channels_last: bool = _from_plugin(
-        "channels_last",
-        "The Trainer feeds such a model its 4-D image batches in channels_last; sharded "
-        "models (fsdp, deepspeed) are left as they are. Saved weights stay contiguous.",
-    )
     device_data_augment: bool = field(
         default=True,
         metadata={
@@ -244,11 +238,15 @@ you mean 'adamw_torch_fused'? ...
                 f"{did_you_mean(name, choices)} choose one of {', '.join(choices)}"
             )
         self._check_fields(ours)
-        # the DataLoader warns about pinned memory without an accelerator, where it does nothing
-        self.dataloader_pin_memory = self.dataloader_pin_memory and accelerator_available()
+        if self.logging_nan_inf_filter is None:
+            self.logging_nan_inf_filter = False if ours else _STOCK["logging_nan_inf_filter"]
         if not ours:
+            if self.learning_rate is None:
+                self.learning_rate = STOCK_DEFAULT_LR
             super().__post_init__()
             return
+        # the DataLoader warns about pinned memory without an accelerator, where it does nothing
+        self.dataloader_pin_memory = self.dataloader_pin_memory and accelerator_available()
         # the parent validates optim against its own names: give it one for the check
         chosen, self.optim = self.optim, OptimizerNames.ADAMW_TORCH.value
         try:
@@ -272,15 +270,8 @@ you mean 'adamw_torch_fused'? ...
             )
 
     def _check_fields(self, ours: bool) -> None:
-        config_from_args(self)
+        plugin_from_args(self)  # the plugin's checks, naming this class's fields
         checks = [
-            ("triaccel_signals_every", self.triaccel_signals_every >= 1, "needs >= 1"),
-            ("triaccel_fp32_fraction", 0.0 <= self.triaccel_fp32_fraction <= 1.0, "[0, 1]"),
-            (
-                "triaccel_fp16_fraction",
-                self.triaccel_fp16_fraction is None or 0.0 <= self.triaccel_fp16_fraction <= 1.0,
-                "must lie in [0, 1]",
-            ),
             ("elastic_min_micro_batch", self.elastic_min_micro_batch >= 1, "needs >= 1"),
             (
                 "elastic_target_fraction",
@@ -328,15 +319,27 @@ you mean 'adamw_torch_fused'? ...
         return plugin_from_args(self)
 
 
+ARGUMENT_SETTINGS: dict[str, str] = {
+    f.name: _DECLARED[f] for f in dataclasses.fields(TriAccelArguments) if f in _DECLARED
+}
+"""TriAccelArguments field -> TriAccelPlugin field, read from the declarations above."""
+
+
 def plugin_from_args(args: TrainingArguments) -> TriAccelPlugin:
     """The :class:`TriAccelPlugin` that ``args`` describe, learning rate resolved; the
-    settings ``args`` lacks (a TRL config) take their defaults."""
-    config = config_from_args(args)
-    return TriAccelPlugin(
-        **dataclasses.asdict(config),
-        optimizer=optim_name(args) if uses_adafisher(args) else "adafisherw",
-        **{name: setting(args, field_name) for name, field_name in PLUGIN_NAMES.items()},
-    )
+    settings ``args`` lacks (a TRL config) take their defaults. Errors name the argument.
+
+    Example:
+        >>> plugin_from_args(TriAccelArguments(output_dir="out", weight_decay=0.1)).weight_decay
+        0.1
+    """
+    values = {name: setting(args, argument) for argument, name in ARGUMENT_SETTINGS.items()}
+    values["lr"] = resolve_learning_rate(args)
+    if values["channels_last"] is None:  # unset: on with AdaFisher, as the plugin's default
+        del values["channels_last"]
+    values["optimizer"] = optim_name(args) if uses_adafisher(args) else "adafisherw"
+    names = {name: argument for argument, name in ARGUMENT_SETTINGS.items()}
+    return TriAccelPlugin.from_values(values, owner="TriAccelArguments", names=names)
 
 
 # "TriAccelArguments.adafisher_gamma=2.0: ..." or "TrainingArguments.x=...": a field, its value

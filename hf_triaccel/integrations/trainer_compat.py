@@ -144,13 +144,14 @@ class KeptParameterClipping:
 
     _kept_parameters: WeakKeyDictionary | None = None
 
-    def train(self, *args: Any, **kwargs: Any):
+    def reset_kept_parameters(self) -> None:
+        """Forgets the parameter lists of earlier ``train()`` calls (called at the start
+        of each)."""
         self._kept_parameters = WeakKeyDictionary()
-        return super().train(*args, **kwargs)
 
     def _clip_grad_norm(self, model: torch.nn.Module):
         kept = self._kept_parameters
-        if kept is None:  # outside train()
+        if kept is None:  # before any train()
             return super()._clip_grad_norm(model)
         if model not in kept:
             kept[model] = self._clipped_parameters(model)

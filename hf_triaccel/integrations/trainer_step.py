@@ -76,17 +76,17 @@ def train_mode_modules(model: nn.Module) -> list[nn.Module] | None:
 class LeanStepMixin(trainer_compat.KeptParameterClipping):
     """Trainer mixin: ``training_step``, ``floating_point_ops`` and the gradient clipping
     with the Trainer's results, without their walks over the model at every step (see
-    the module's docstring). Outside ``train()`` (a step called by hand) they are the
-    Trainer's."""
+    the module's docstring). Before :meth:`resolve_lean_step` (a step called by hand)
+    they are the Trainer's."""
 
     _lean_step = False  # resolved by each train()
     _lean_flops = False
 
-    def train(self, *args: Any, **kwargs: Any):
-        self._resolve_step()
-        return super().train(*args, **kwargs)
-
-    def _resolve_step(self) -> None:
+    def resolve_lean_step(self) -> None:
+        """Reads, for the ``train()`` about to run, which of the Trainer's methods this
+        mixin may shorten, and forgets what earlier runs kept (``TriAccelMixin.train``
+        calls it)."""
+        self.reset_kept_parameters()
         trainer_args = self.args
         self._lean_step = (
             trainer_compat.defers_to_trainer(self, LeanStepMixin, "training_step")

@@ -65,10 +65,10 @@ class AdaFisher(Optimizer):
             of modules it covers are preconditioned with their Fisher factors, the
             others with F = 1. Without a collector every parameter gets F = 1
             (a warning says so); :meth:`from_model` builds both in one call.
-        lr, beta, damping, gamma, update_every, weight_decay, ema, normalise,
-            factor_init, impl: the hyperparameters of
-            :class:`~hf_triaccel.optim.config.AdaFisherConfig` (same defaults), validated
-            by it; ``ema`` and ``factor_init`` must match the collector's.
+        config: the hyperparameters as an :class:`~hf_triaccel.optim.config.AdaFisherConfig`;
+        **hyperparameters: or else its fields by name (``lr``, ``beta``, ``damping``,
+            ``weight_decay``...; same defaults, validated by it). ``ema`` and
+            ``factor_init`` must match the collector's.
         maximize: ascend the objective instead of descending it.
         foreach, fused, capturable, differentiable: torch.optim's flags, which timm and
             other wrappers pass: ``foreach=True`` selects ``impl="foreach"``,
@@ -94,43 +94,32 @@ class AdaFisher(Optimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         collector: FisherCollector | None = None,
         *,
-        lr: float | torch.Tensor = AdaFisherConfig.lr,
-        beta: float = AdaFisherConfig.beta,
-        damping: float = AdaFisherConfig.damping,
-        gamma: float = AdaFisherConfig.gamma,
-        update_every: int | None = AdaFisherConfig.update_every,
-        weight_decay: float = AdaFisherConfig.weight_decay,
-        ema: str = AdaFisherConfig.ema,
-        normalise: str = AdaFisherConfig.normalise,
-        factor_init: str = AdaFisherConfig.factor_init,
-        impl: str | None = AdaFisherConfig.impl,
+        config: AdaFisherConfig | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
+        **hyperparameters: Any,
     ) -> None:
         name = type(self).__name__
+        if config is not None and hyperparameters:
+            raise TypeError(
+                f"{name}: give a config or hyperparameters, not both "
+                f"(got config and {sorted(hyperparameters)})"
+            )
+        if config is None:
+            config = AdaFisherConfig.from_values(hyperparameters, owner=name)
         impl = impl_from_torch_flags(
-            impl,
+            config.impl,
             foreach=foreach,
             fused=fused,
             capturable=capturable,
             differentiable=differentiable,
             owner=name,
         )
-        config = AdaFisherConfig(
-            lr=lr,
-            beta=beta,
-            damping=damping,
-            gamma=gamma,
-            update_every=update_every,
-            weight_decay=weight_decay,
-            ema=ema,
-            normalise=normalise,
-            factor_init=factor_init,
-            impl=impl,
-        )
+        # a plain config (a subclass's extra fields are not the optimizer's), impl resolved
+        config = AdaFisherConfig(**{**config.optimizer_kwargs(), "impl": impl})
         if collector is not None and not isinstance(collector, FisherCollector):
             raise TypeError(f"collector must be a FisherCollector, got {type(collector).__name__}")
         for setting in ("ema", "factor_init"):
@@ -141,10 +130,7 @@ class AdaFisher(Optimizer):
                     f"{name}.{setting}={ours!r} but the collector was built with "
                     f"{setting}={theirs!r}"
                 )
-        defaults = dict(
-            lr=lr, beta=beta, damping=damping, weight_decay=weight_decay, maximize=bool(maximize)
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, {**config.step_defaults(), "maximize": bool(maximize)})
         if collector is None:
             warnings.warn(
                 f"{name} without a FisherCollector preconditions every parameter with "
@@ -170,34 +156,21 @@ class AdaFisher(Optimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | None = None,
         **hyperparameters: Any,
     ) -> AdaFisher:
-        """Builds the collector for ``model`` and the optimizer in one call.
-
-        Args:
-            model: the model to train.
-            params: parameters or param groups; default, the trainable parameters in
-                the groups of :func:`~hf_triaccel.optim.groups.param_groups` (no weight
-                decay on biases and normalisation weights).
-            **hyperparameters: as for the constructor (``ema`` and the implementation
-                are passed to the collector too).
+        """Builds the collector for ``model`` and the optimizer in one call
+        (:func:`build_adafisher` with this class): ``params`` default to the trainable
+        parameters in the groups of :func:`~hf_triaccel.optim.groups.param_groups` (no
+        weight decay on biases and normalisation weights); ``hyperparameters`` are the
+        constructor's.
 
         Example:
             >>> opt = AdaFisherW.from_model(nn.Linear(4, 2), lr=1e-3, weight_decay=0.01)
             >>> [g["weight_decay"] for g in opt.param_groups]
             [0.01, 0.0]
         """
-        flags = {k: hyperparameters[k] for k in _TORCH_FLAGS if k in hyperparameters}
-        impl = impl_from_torch_flags(hyperparameters.get("impl"), **flags, owner=cls.__name__)
-        ema = hyperparameters.get("ema", AdaFisherConfig.ema)
-        factor_init = hyperparameters.get("factor_init", AdaFisherConfig.factor_init)
-        if params is None:
-            decay = hyperparameters.get("weight_decay", AdaFisherConfig.weight_decay)
-            params = param_groups(model, decay)
-        collector = FisherCollector(model, ema=ema, factor_init=factor_init, impl=impl)
-        try:
-            return cls(params, collector, **hyperparameters)
-        except Exception:
-            collector.remove()  # a refused configuration leaves no hooks behind
-            raise
+        flags = {k: hyperparameters.pop(k) for k in _TORCH_FLAGS if k in hyperparameters}
+        maximize = hyperparameters.pop("maximize", False)
+        config = AdaFisherConfig.from_values(hyperparameters, owner=cls.__name__)
+        return build_adafisher(model, config, cls, params=params, maximize=maximize, **flags)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group (see :meth:`torch.optim.Optimizer.add_param_group`),
@@ -356,8 +329,72 @@ class AdaFisherW(AdaFisher):
     :class:`AdaFisher`.
 
     Example:
-        >>> model = nn.Linear(8, 2)
-        >>> opt = AdaFisherW.from_model(model, lr=1e-3, weight_decay=0.05)
+        >>> opt = AdaFisherW.from_model(nn.Linear(8, 2), lr=1e-3, weight_decay=0.05)
     """
 
     decoupled = True
+
+
+OPTIMIZERS: dict[str, type[AdaFisher]] = {"adafisher": AdaFisher, "adafisherw": AdaFisherW}
+"""hf_triaccel's optimizers by the name every entry point accepts (any case)."""
+
+
+def optimizer_class(name: str | type[AdaFisher], owner: str = "optimizer") -> type[AdaFisher]:
+    """The optimizer class named ``name`` (a key of :data:`OPTIMIZERS`, any case; a class
+    passes through); a ValueError names ``owner`` and the valid names.
+
+    Example:
+        >>> optimizer_class("adam", "TriAccelPlugin.optimizer")
+        Traceback (most recent call last):
+        ...
+        ValueError: TriAccelPlugin.optimizer='adam' is not one of ['adafisher', 'adafisherw']
+    """
+    if isinstance(name, type) and issubclass(name, AdaFisher):
+        return name
+    key = str(getattr(name, "value", name)).lower()
+    if key not in OPTIMIZERS:
+        raise ValueError(f"{owner}={name!r} is not one of {sorted(OPTIMIZERS)}")
+    return OPTIMIZERS[key]
+
+
+def build_adafisher(
+    model: nn.Module,
+    config: AdaFisherConfig | None = None,
+    optimizer: str | type[AdaFisher] = "adafisherw",
+    *,
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    **torch_flags: Any,
+) -> AdaFisher:
+    """The one builder of AdaFisher or AdaFisherW with its Fisher collector, which every
+    entry point goes through (``from_model``, the Trainer, Accelerate, the factories).
+
+    Args:
+        model: the unwrapped model (its modules carry the Fisher factors).
+        config: hyperparameters (default: :class:`AdaFisherConfig`'s defaults).
+        optimizer: ``"adafisher"`` (L2 decay), ``"adafisherw"`` (decoupled) or a class.
+        params: parameters or param groups; default, the trainable parameters in the groups
+            of :func:`~hf_triaccel.optim.groups.param_groups`.
+        grad_scaler: the loss scaler of fp16 training, so that statistics are unscaled.
+        **torch_flags: ``maximize`` and torch.optim's flags (``foreach``, ``fused``...).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> opt = build_adafisher(model, AdaFisherConfig(weight_decay=0.1))
+        >>> [(len(g["params"]), g["weight_decay"]) for g in opt.param_groups]
+        [(1, 0.1), (3, 0.0)]
+        >>> opt.collector.remove()
+    """
+    cls = optimizer_class(optimizer)
+    config = config or AdaFisherConfig()
+    flags = {k: v for k, v in torch_flags.items() if k != "maximize"}
+    impl = impl_from_torch_flags(config.impl, **flags, owner=cls.__name__)
+    collector = FisherCollector(model, ema=config.ema, factor_init=config.factor_init, impl=impl)
+    collector.grad_scaler = grad_scaler
+    if params is None:
+        params = param_groups(model, config.weight_decay)
+    try:
+        return cls(params, collector, config=config, **torch_flags)
+    except Exception:
+        collector.remove()  # a refused configuration leaves no hooks behind
+        raise

@@ -1,8 +1,12 @@
 """The one configuration object of AdaFisher: hyperparameters, defaults, validation.
 
-Every entry point derives from :class:`AdaFisherConfig`: the optimizer constructor
-validates through it, ``TriAccelArguments`` and ``TriAccelPlugin`` build one, and the
-recipes take its defaults. A field has one default everywhere.
+Every entry point derives from :class:`AdaFisherConfig`: the optimizer constructor and
+:func:`~hf_triaccel.optim.adafisher.build_adafisher` (the one builder of an optimizer
+with its collector) validate through it; ``TriAccelArguments``, ``TriAccelPlugin``, the
+Trainer callback and factories and timm's registry build one with
+:meth:`AdaFisherConfig.from_values`, whose errors name the entry point's own field. A
+field has one default, one help text and one check, here: a new hyperparameter is a new
+field (and, where the Trainer's namespace needs it, one field of ``TriAccelArguments``).
 
 The same module holds the two checks that run outside a config:
 :func:`check_step_hyperparameters` (the values a param group may override, checked
@@ -14,14 +18,14 @@ wrappers such as timm pass to every optimizer).
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from hf_triaccel._types import DEFAULT_FACTOR_INIT, EMA_MODES, FACTOR_INITS, NORMALISE_MODES
-from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.dispatch import validate_impl
 
 DEFAULT_LR = 1.2e-2
@@ -30,6 +34,10 @@ grid of a CIFAR ResNet-18 at batch 512 under the published fold rule with the fa
 seeded with zeros, the defaults (``benchmarks/results/chosen.json``). Under that rule the
 step is close to momentum SGD's at ``lr / damping`` from the first step on; a model unlike
 the one measured may need its own."""
+
+
+STEP_FIELDS = ("lr", "beta", "damping", "weight_decay")
+"""The fields the update reads at every step: a param group may override each of them."""
 
 
 def check_step_hyperparameters(
@@ -249,18 +257,63 @@ class AdaFisherConfig:
             return self.update_every
         return 100 if self.ema == "reference" else 1
 
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of the AdaFisher / AdaFisherW constructor."""
-        return dataclasses.asdict(self)
+    @classmethod
+    def from_values(
+        cls,
+        values: Mapping[str, Any],
+        *,
+        owner: str | None = None,
+        names: Mapping[str, str] | None = None,
+    ) -> AdaFisherConfig:
+        """A configuration from ``values`` (field -> value), with errors that name the
+        entry point's own fields: ``owner.<name>``, where ``names`` maps a field to the
+        entry point's name for it (default: the field's own).
 
-    def build_collector(self, model: nn.Module) -> FisherCollector:
-        """The Fisher collector for ``model`` that an optimizer of this configuration
-        accepts (same ``ema`` and ``factor_init``); unwrap DDP/compile wrappers first.
+        Raises:
+            TypeError: a name that is not a field, listing the fields.
+            ValueError: a value out of range, as ``owner.<name>=value: what it needs``.
 
         Example:
-            >>> collector = AdaFisherConfig(factor_init="ones").build_collector(nn.Linear(4, 2))
-            >>> collector
-            FisherCollector(layers=1, ema='reference', factor_init='ones')
-            >>> collector.remove()
+            >>> AdaFisherConfig.from_values({"lr": 2e-3}).lr
+            0.002
+            >>> AdaFisherConfig.from_values(
+            ...     {"beta": 2.0}, owner="TriAccelArguments", names={"beta": "adafisher_beta"}
+            ... )
+            Traceback (most recent call last):
+            ...
+            ValueError: TriAccelArguments.adafisher_beta=2.0: needs 0 <= beta < 1
+            >>> AdaFisherConfig.from_values({"momentum": 0.9}, owner="AdaFisherW")
+            ... # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            TypeError: AdaFisherW: unknown hyperparameter ['momentum']; the fields are ...
         """
-        return FisherCollector(model, ema=self.ema, factor_init=self.factor_init, impl=self.impl)
+        owner = owner or cls.__name__
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise TypeError(
+                f"{owner}: unknown hyperparameter {unknown}; the fields are {', '.join(fields)}"
+            )
+        try:
+            return cls(**values)
+        except ValueError as err:
+            found = re.match(rf"^{cls.__name__}\.(\w+)", str(err))
+            if found is None:
+                raise
+            name = (names or {}).get(found.group(1), found.group(1))
+            raise ValueError(f"{owner}.{name}{str(err)[found.end() :]}") from None
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """The hyperparameters as keyword arguments of the AdaFisher / AdaFisherW
+        constructor (the fields of :class:`AdaFisherConfig` only, for a subclass too).
+
+        Example:
+            >>> sorted(AdaFisherConfig().optimizer_kwargs())[:3]
+            ['beta', 'damping', 'ema']
+        """
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(AdaFisherConfig)}
+
+    def step_defaults(self) -> dict[str, Any]:
+        """The per-group defaults of the optimizer (:data:`STEP_FIELDS`)."""
+        return {name: getattr(self, name) for name in STEP_FIELDS}

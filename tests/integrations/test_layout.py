@@ -79,6 +79,18 @@ def test_the_switch_keeps_the_given_layout(tmp_path):
     assert all(w.is_contiguous() for w in conv_weights(model))
 
 
+def test_adamw_runs_keep_the_stock_layout(tmp_path):
+    model = LayoutProbe()
+    args = make_args(tmp_path, max_steps=1, per_device_train_batch_size=4, optim="adamw_torch")
+    trainer = TriAccelTrainer(model=model, args=args, train_dataset=ImageSet())
+    trainer.train()
+    assert not trainer.channels_last and model.seen and not any(model.seen)
+    assert all(w.is_contiguous() for w in conv_weights(model))
+    # asked for, it applies to any optimizer
+    args = make_args(tmp_path, optim="adamw_torch", triaccel_channels_last=True)
+    assert TriAccelTrainer(model=LayoutProbe(), args=args, train_dataset=ImageSet()).channels_last
+
+
 def test_a_model_without_2d_convolutions_is_left_as_it_is(tmp_path):
     model = MLP()
     strides = [p.stride() for p in model.parameters()]

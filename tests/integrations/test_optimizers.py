@@ -48,25 +48,6 @@ def _trained_optimizer(tmp_path, **kw):
 # -- one default learning rate per optimizer ------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "optim, given, expected",
-    [
-        ("adafisherw", None, DEFAULT_LR),
-        ("adafisher", None, DEFAULT_LR),
-        ("adamw_torch", None, STOCK_LR),
-        ("adafisherw", 3e-2, 3e-2),
-        ("adamw_torch", 3e-2, 3e-2),
-    ],
-)
-def test_learning_rate_is_the_optimizers_default_unless_set(tmp_path, optim, given, expected):
-    args = make_args(tmp_path, optim=optim, learning_rate=given, lr_scheduler_type="constant")
-    trainer = TriAccelTrainer(model=MLP(), args=args, train_dataset=VectorSet())
-    trainer.create_optimizer()
-    assert {g["lr"] for g in trainer.optimizer.param_groups} == {expected}
-    assert trainer.triaccel_settings["learning_rate"] == expected
-    assert args.learning_rate == given  # reported, not written back
-
-
 def test_every_entry_point_has_adafishers_default_learning_rate():
     assert TriAccelPlugin().lr == DEFAULT_LR
     assert AdaFisherWFactory()(nn.Linear(2, 2)).defaults["lr"] == DEFAULT_LR

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 
@@ -13,7 +12,7 @@ timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
 
 from hf_triaccel.integrations.telemetry import REPORT_NAME  # noqa: E402
-from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer  # noqa: E402
+from hf_triaccel.integrations.trainer import TriAccelTrainer  # noqa: E402
 from tests.integrations.tiny import ImageSet, Logs, TokenSet, make_args, tiny_gpt2, tiny_timm  # noqa: E402
 
 # what transformers' resume tests leave out when comparing a run's log history to its
@@ -134,112 +133,6 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
         return [{k: v for k, v in e.items() if k not in TIMING_KEYS} for e in history]
 
     assert comparable(trainer.state.log_history) == comparable(first.state.log_history)
-
-
-@pytest.mark.parametrize(
-    "kwargs, field",
-    [
-        ({"adafisher_beta": 1.5}, "adafisher_beta"),
-        ({"adafisher_damping": 0.0}, "adafisher_damping"),
-        ({"adafisher_gamma": 0.0}, "adafisher_gamma"),
-        ({"adafisher_update_every": 0}, "adafisher_update_every"),
-        ({"adafisher_ema": "fast"}, "adafisher_ema"),
-        ({"adafisher_normalise": "scaled"}, "adafisher_normalise"),
-        ({"triaccel_impl": "cuda"}, "triaccel_impl"),
-        ({"weight_decay": -1.0}, "weight_decay"),
-    ],
-)
-def test_bad_arguments_name_the_field(tmp_path, kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        TriAccelArguments(output_dir=str(tmp_path), **kwargs)
-
-
-def test_unknown_optimizer_is_rejected_with_the_choices(tmp_path):
-    with pytest.raises(ValueError, match="optim='adamw_toch'") as err:
-        TriAccelArguments(output_dir=str(tmp_path), optim="adamw_toch")
-    assert "adafisherw" in str(err.value) and "adamw_torch_fused" in str(err.value)
-
-
-def test_plain_trainer_arguments_are_rejected(tmp_path):
-    with pytest.raises(TypeError, match="TriAccelArguments"):
-        TriAccelTrainer(
-            model=tiny_gpt2(),
-            args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True),
-        )
-
-
-def test_arguments_parse_from_the_command_line(tmp_path):
-    parser = transformers.HfArgumentParser(TriAccelArguments)
-    (args,) = parser.parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--optim", "adafisher", "--adafisher_update_every", "50"]
-    )
-    plugin = args.to_plugin()
-    assert (plugin.optimizer, plugin.update_every) == ("adafisher", 50)
-    assert os.fspath(args.output_dir) == str(tmp_path)
-
-
-def test_normalise_argument_reaches_the_optimizer(tmp_path):
-    parser = transformers.HfArgumentParser(TriAccelArguments)
-    (args,) = parser.parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--use_cpu", "--adafisher_normalise", "relative"]
-    )
-    assert args.to_plugin().normalise == "relative"
-    trainer = TriAccelTrainer(model=tiny_timm(), args=args, train_dataset=ImageSet())
-    optimizer = trainer.create_optimizer()
-    assert optimizer.normalise == "relative"
-    default = TriAccelTrainer(
-        model=tiny_timm(), args=make_args(tmp_path / "default"), train_dataset=ImageSet()
-    )
-    assert default.create_optimizer().normalise == "absolute"
-
-
-def test_adaptive_precision_through_the_trainer(tmp_path):
-    args = make_args(
-        tmp_path, max_steps=4, triaccel_precision=True, triaccel_signals_every=2, logging_steps=4
-    )
-    logs = Logs()
-    trainer = TriAccelTrainer(
-        model=tiny_timm(), args=args, train_dataset=ImageSet(), callbacks=[logs]
-    )
-    trainer.train()
-    assert trainer.precision is not None and trainer.signals.steps == 4
-    assert set(trainer.precision.decisions.values()) <= {"fp32", "bf16"}  # no fp16 without --fp16
-    log = next(e for e in logs.entries if "loss" in e)
-    assert log["precision_fp32"] + log["precision_bf16"] == len(trainer.precision.decisions)
-    trainer.save_model()
-    assert (tmp_path / "precision_map.png").stat().st_size > 0
-    assert json.loads((tmp_path / "signals.json").read_text())
-    saved = torch.load(
-        io.BytesIO(trainer.optimizer.state_dict()["param_groups"][0]["triaccel_precision"])
-    )
-    assert saved["precision"] == trainer.precision.state_dict()
-
-
-@pytest.mark.parametrize("field", ["triaccel_precision", "triaccel_lr_steering"])
-def test_signal_features_need_adafisher(tmp_path, field):
-    with pytest.raises(ValueError, match=field):
-        TriAccelArguments(output_dir=str(tmp_path), optim="adamw_torch", **{field: True})
-
-
-def test_step_size_steering_through_the_trainer(tmp_path):
-    args = make_args(
-        tmp_path, max_steps=4, triaccel_lr_steering=True, triaccel_signals_every=2, logging_steps=4
-    )
-    logs = Logs()
-    trainer = TriAccelTrainer(
-        model=tiny_timm(), args=args, train_dataset=ImageSet(), callbacks=[logs]
-    )
-    trainer.train()
-    assert trainer.precision is None and trainer.signals is trainer.steering.tracker
-    assert trainer.signals.steps == 4 and trainer.steering.scales
-    log = next(e for e in logs.entries if "loss" in e)
-    assert log["lr_scale_min"] == min(trainer.steering.scales.values())
-    assert log["lr_scale_max"] == max(trainer.steering.scales.values())
-    saved = torch.load(
-        io.BytesIO(trainer.optimizer.state_dict()["param_groups"][0]["triaccel_steering"])
-    )
-    assert saved["steering"] == trainer.steering.state_dict()
-    assert saved["signals"]["steps"] == 4
 
 
 def test_label_smoothing_with_a_plain_model(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import hf_triaccel  # noqa: E402
-from hf_triaccel.integrations.optimizers import AdaFisherWFactory  # noqa: E402
 from hf_triaccel.integrations.trainer import (  # noqa: E402
     TriAccelArguments,
     TriAccelMixin,
@@ -24,7 +22,7 @@ from hf_triaccel.integrations.trainer import (  # noqa: E402
 )
 from hf_triaccel.optim.adafisher import AdaFisherW  # noqa: E402
 from hf_triaccel.optim.config import DEFAULT_LR  # noqa: E402
-from tests.integrations.tiny import MLP, ImageSet, VectorSet, make_args, tiny_timm  # noqa: E402
+from tests.integrations.tiny import MLP, VectorSet, make_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LEGACY = Path(__file__).resolve().parent / "data" / "checkpoint-v0.1.0"
@@ -98,13 +96,23 @@ def test_mixin_with_the_subclass_own_config_keeps_its_optimizer(tmp_path):
 # -- the Trainer's optimizer selection ---------------------------------------------------
 
 
-def test_optimizer_comes_from_the_trainers_selection_path(tmp_path):
-    args = make_args(tmp_path, max_steps=1, learning_rate=None)
-    factory, kwargs = TriAccelTrainer.get_optimizer_cls_and_kwargs(args, MLP())
-    assert factory is AdaFisherWFactory and kwargs["lr"] == DEFAULT_LR
+def test_optimizer_comes_through_the_callback_and_its_factory(tmp_path):
+    """The mixin hands the Trainer a TriAccelCallback and its optimizer_cls_and_kwargs:
+    the optimizer the Trainer steps is the one the callback built."""
+    args = make_args(tmp_path, max_steps=1, learning_rate=None, lr_scheduler_type="constant")
     trainer = TriAccelTrainer(model=MLP(), args=args, train_dataset=VectorSet())
+    assert trainer.triaccel in trainer.callback_handler.callbacks
+    assert trainer.optimizer_cls_and_kwargs == trainer.triaccel.optimizer_cls_and_kwargs
     trainer.train()
-    assert trainer.optimizer_cls_and_kwargs is None  # the user's argument, never written
+    assert trainer.optimizer.optimizer is trainer.triaccel.optimizer
+    assert {g["lr"] for g in trainer.triaccel.optimizer.param_groups} == {DEFAULT_LR}
+
+
+def test_stock_optimizers_get_no_callback(tmp_path):
+    trainer = TriAccelTrainer(
+        model=MLP(), args=make_args(tmp_path, optim="adamw_torch"), train_dataset=VectorSet()
+    )
+    assert trainer.triaccel is None and trainer.optimizer_cls_and_kwargs is None
 
 
 def test_users_optimizer_cls_and_kwargs_wins(tmp_path):
@@ -119,24 +127,6 @@ def test_users_optimizer_cls_and_kwargs_wins(tmp_path):
 
 
 # -- arguments left as given -----------------------------------------------------------
-
-
-def test_arguments_are_never_changed(tmp_path):
-    args = make_args(
-        tmp_path,
-        max_steps=2,
-        auto_find_batch_size=True,
-        remove_unused_columns=True,
-        label_smoothing_factor=0.1,
-        learning_rate=None,
-    )
-    before = args.to_dict()
-    trainer = TriAccelTrainer(model=tiny_timm(), args=args, train_dataset=ImageSet())
-    trainer.train()
-    assert trainer.args is args
-    assert args.to_dict() == before
-    assert trainer.triaccel_settings["learning_rate"] == DEFAULT_LR
-    assert trainer.elastic is not None  # auto_find_batch_size turns it on, on the trainer
 
 
 # -- model_init, hooks only while training -----------------------------------------------
@@ -185,23 +175,21 @@ def test_hooks_are_attached_for_training_and_removed_after(tmp_path):
 # -- optional dependencies --------------------------------------------------------------
 
 
-def test_missing_matplotlib_is_reported_at_the_start_and_never_crashes(tmp_path, monkeypatch):
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    args = make_args(
-        tmp_path / "out",
-        max_steps=2,
-        triaccel_precision=True,
-        triaccel_signals_every=1,
-        triaccel_report_dir=str(tmp_path / "reports"),
+class RaiseAtStep(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        raise RuntimeError("a failure in the middle of training")
+
+
+def test_hooks_come_off_when_training_raises(tmp_path):
+    """on_train_end does not run then: train's cleanup takes the hooks off."""
+    model = MLP()
+    args = make_args(tmp_path, max_steps=2, triaccel_precision=True, triaccel_signals_every=1)
+    trainer = TriAccelTrainer(
+        model=model, args=args, train_dataset=VectorSet(), callbacks=[RaiseAtStep()]
     )
-    trainer = TriAccelTrainer(model=MLP(), args=args, train_dataset=VectorSet())
-    with pytest.warns(UserWarning, match="matplotlib") as caught:
+    with pytest.raises(RuntimeError, match="middle of training"):
         trainer.train()
-    assert "install" in str(caught[0].message) and "hf-triaccel[hf]" in str(caught[0].message)
-    assert (tmp_path / "reports" / "signals.json").exists()
-    assert not (tmp_path / "reports" / "precision_map.png").exists()
+    assert _hooks(model) == 0 and not trainer.collector.attached
 
 
 # -- version, changelog, checkpoints of 0.1.0 -------------------------------------------

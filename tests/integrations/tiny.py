@@ -111,3 +111,19 @@ def make_args(tmp_path, **kw):
     )
     defaults.update(kw)
     return TriAccelArguments(**defaults)
+
+
+WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "to", "mat", "park", "and"]
+
+
+def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A tokenizer built here, without the Hub: one id per word of :data:`WORDS`, after
+    ``[PAD]``, ``[UNK]`` and ``[EOS]``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
+    )

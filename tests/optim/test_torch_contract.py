@@ -42,8 +42,10 @@ def test_constructor_validates_through_the_config():
         "weight_decay": AdaFisherConfig.weight_decay,
     }
     assert opt.update_every == AdaFisherConfig().resolved_update_every
-    with pytest.raises(ValueError, match=r"AdaFisherConfig\.beta=1\.5: needs 0 <= beta < 1"):
+    with pytest.raises(ValueError, match=r"^AdaFisherW\.beta=1\.5: needs 0 <= beta < 1"):
         AdaFisherW.from_model(model, beta=1.5)
+    with pytest.raises(TypeError, match=r"^AdaFisher: unknown hyperparameter \['momentum'\]"):
+        AdaFisher(model.parameters(), momentum=0.9)
     with pytest.raises(ValueError, match="update_every=True"):
         AdaFisherW.from_model(model, update_every=True)
     with pytest.raises(ValueError, match=r"AdaFisher\.param_groups\[1\]\.lr=-1\.0"):
