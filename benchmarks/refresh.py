@@ -178,9 +178,7 @@ def profile_variant(name: str, args: Any) -> dict[str, Any]:
             step()
         harness.synchronize(args.device)
     if args.trace and name == REFRESH:
-        prof.export_chrome_trace(
-            str(harness.out_dir(args) / f"profile_refresh_{args.model}.trace.json")
-        )
+        prof.export_chrome_trace(str(harness.out_dir(args) / f"refresh_{args.model}.trace.json"))
     result = per_step(prof.events(), args.steps, cuda)
     result["wall_ms"] = statistics.median(times)
     if isinstance(opt, AdaFisherW):

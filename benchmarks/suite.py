@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data", help="CIFAR-10 parquet folder (default .data/cifar10, else the slice)"
     )
     parser.add_argument("--backend", default="inductor", help="torch.compile's, compiled stages")
+    parser.add_argument("--stages", help="comma-separated: only these stages (default: all)")
 
 
 def stages(args: argparse.Namespace, out: Path) -> list[tuple[str, int, list[str]]]:
@@ -254,8 +255,11 @@ def run(args: argparse.Namespace) -> int:
         f"# suite {args.which}\n\n`{env['command']}`, commit {env['git_commit']}, "
         f"{env['date_utc']}, {env['device']}, torch {env['versions']['torch']}"
     ]
-    failed = 0
-    for name, limit, command in stages(args, out):
+    failed, planned = 0, stages(args, out)
+    if args.stages:
+        chosen = harness.split(args.stages, [name for name, _, _ in planned], "--stages")
+        planned = [stage for stage in planned if stage[0] in chosen]
+    for name, limit, command in planned:
         status, seconds = run_stage(name, limit, command, out)
         scratch = out / f"{name}_scratch"
         if scratch.is_dir():  # a recipe's run: its records kept, not its model
