@@ -232,7 +232,7 @@ def work(args: argparse.Namespace, claims: Path | None, data: dict[str, tuple]) 
         if job["data"] not in data:
             data[job["data"]] = cifar.load_data(run_args)
         try:
-            record = cifar.run(run_args, data[job["data"]])
+            record = cifar.train(run_args, data[job["data"]])
         except Exception as exc:  # the grid's other runs still run
             harness.report_error(exc)
             failed += 1

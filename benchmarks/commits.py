@@ -11,7 +11,8 @@ A timed process uses only what every version of the package has
 Rows: the CIFAR ResNet-18 (3x3 stride-1 stem, no max-pool; channels_last, bf16 autocast,
 batch 512) training step (zero_grad + forward + backward + step) and the optimizer step
 alone, for AdamW(fused), AdaFisherW with a Fisher refresh every step, and AdaFisherW
-without one, medians after warm-up. Usage, from the repository root::
+without one, medians after warm-up (``--smoke``: timm's ``test_resnet`` on a CPU,
+AdaFisher's portable update). Usage, from the repository root::
 
     python -m benchmarks commits OLD NEW [MORE...] [--rounds 2] [--out DIR]
     python -m benchmarks commits HEAD~1 HEAD --smoke    # CPU, tiny sizes
@@ -100,14 +101,19 @@ def measure(smoke: bool) -> list[dict]:
         return 1e3 * sorted(times)[len(times) // 2]
 
     def variant(name: str, update_every: int) -> dict:
-        model = timm.create_model("resnet18", num_classes=10)
-        model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
-        model.maxpool = nn.Identity()
+        if smoke:  # timm's smallest ResNet: the same code paths, in seconds on a CPU
+            model = timm.create_model("test_resnet", num_classes=10)
+        else:
+            model = timm.create_model("resnet18", num_classes=10)
+            model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+            model.maxpool = nn.Identity()
         model = model.to(device, memory_format=torch.channels_last)
         if name == "adamw":
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         else:
-            optimizer = AdaFisherW.from_model(model, lr=1e-3, update_every=update_every)
+            # a CPU interprets Triton's kernels: the portable update, in smoke runs
+            impl = {"impl": "foreach"} if smoke else {}
+            optimizer = AdaFisherW.from_model(model, lr=1e-3, update_every=update_every, **impl)
 
         def backward() -> None:
             with torch.autocast(device, torch.bfloat16):

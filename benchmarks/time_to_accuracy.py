@@ -131,7 +131,7 @@ def run_timing(args: argparse.Namespace) -> int:
         if job["data"] not in data:
             data[job["data"]] = cifar.load_data(run_args)
         try:
-            record = cifar.run(run_args, data[job["data"]])
+            record = cifar.train(run_args, data[job["data"]])
         except Exception as exc:  # the other arms are still timed
             harness.report_error(exc)
             failed += 1
