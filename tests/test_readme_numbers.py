@@ -4,8 +4,8 @@ A figure is a number in the README's prose or tables (code, shell lines and inli
 left out) with a decimal point, a thousands separator, four digits or more, or a unit
 (``%``, ``x``, ``ms``, ``s``, ``GiB``, ``bytes``, ``samples/s``, ``points``...). Each
 must appear as a number in BENCHMARKS.md (the current tables) or in its dated history,
-docs/benchmarks_history.md, and the README section it stands in must name BENCHMARKS.md. :data:`NOT_MEASURED` names the numbers that are no
-measurement, with what they are.
+docs/benchmarks_history.md, and the README section it stands in must name BENCHMARKS.md.
+:data:`NOT_MEASURED` names the numbers that are no measurement, with what they are.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def test_the_readme_has_figures_to_check():
     ("number", "line", "section"), FIGURES, ids=[f"{n}@{line}" for n, line, _ in FIGURES]
 )
 def test_each_readme_figure_is_a_benchmarks_measurement(number, line, section):
-    assert in_benchmarks(number, BENCHMARKS), f"README.md:{line}: {number} not in BENCHMARKS.md or its history"
+    where = f"README.md:{line}: {number} not in BENCHMARKS.md or its history"
+    assert in_benchmarks(number, BENCHMARKS), where
     assert "BENCHMARKS.md" in sections(README)[section], f"{section!r} does not cite BENCHMARKS.md"
 
 
