@@ -38,7 +38,7 @@ The arms measured before the package's default seed became zeros name
 
 A grid is a list of ``ARM:lr=A,B,...:wd=C,...`` specs, each run at every seed, data
 set and epoch budget given (``--epochs 10,20``: each budget its own run with its own
-schedule; ``time_to_accuracy.py`` reads those). Runs are appended, one JSON line each,
+schedule; ``time-to-accuracy`` reads those). Runs are appended, one JSON line each,
 to ``--results`` as they end; a run already there is skipped, so a grid spans several
 calls. ``--workers N`` runs N training processes at once on one GPU (accuracy only: their
 ``train_seconds`` overlap and are marked with ``workers``); ``--stop_after S`` starts no

@@ -47,7 +47,7 @@ GIB = 2**30
 # (learning rate, weight decay) per optimizer on the CIFAR ResNet-18. AdaFisherW's: the best
 # of 3e-3 and 1e-2 over 30 epochs (BENCHMARKS.md); AdaFisher, AdamW, SGD (Nesterov) and the
 # curvature-off control: the chosen values of the CIFAR-10 15-epoch comparison
-# (equal_epochs.py; benchmarks/results/chosen.json)
+# (the accuracy subcommand; benchmarks/results/chosen.json)
 HYPERPARAMETERS = {
     "adafisherw": (1e-2, 5e-4),
     "adafisher": (1.2e-2, 5e-4),
