@@ -1,5 +1,5 @@
 """Accuracy at equal epochs: AdaFisher's fold rules against tuned AdamW and SGD and a
-curvature-off control, each run a ``cifar.py`` training.
+curvature-off control, each run a ``cifar`` training.
 
 Every arm trains the same model (``--model``, default timm ``resnet18_cifar``) on the
 same data path (decoded once, augmented on the GPU), batch, epochs, one-cycle schedule and
