@@ -6,6 +6,7 @@ from, not the speed of anything.
 
 from __future__ import annotations
 
+import doctest
 import gc
 import importlib
 import json
@@ -83,6 +84,12 @@ def test_every_subcommand_is_listed_with_its_interface(capsys):
     scripts = {p.stem for p in BENCHMARKS.glob("*.py")} - {"__init__", "__main__"}
     shared = {"harness", "records"}
     assert scripts - shared == {m.__name__.rsplit(".", 1)[-1] for m in SUBCOMMANDS}
+
+
+def test_the_record_format_and_report_examples_run():
+    for module in ("records", "report"):
+        result = doctest.testmod(importlib.import_module(f"benchmarks.{module}"))
+        assert result.attempted > 0 and result.failed == 0, module
 
 
 def test_benchmarks_md_tables_match_the_records(capsys):
