@@ -1,9 +1,10 @@
 """The benchmark harness: command line, timing, host costs, models, optimizers, data,
 environment, output.
 
-Every script measures its variants next to a baseline measured in the same process
-(README.md says why) and writes ``<name>.json`` (the full record) and ``<name>.md`` (the
-printed table under its command line) with :func:`finish`.
+Every measurement runs its variants next to a baseline measured in the same process
+(README.md says why) and ends with :func:`finish`: ``<name>.json`` (the full payload),
+``<name>.md`` (the printed table under its command line) and a record appended in the one
+format of :mod:`benchmarks.records`.
 """
 
 import argparse
@@ -29,6 +30,7 @@ from torch import nn
 from transformers import PrinterCallback, TrainerCallback
 from transformers.trainer_utils import speed_metrics
 
+from benchmarks import records
 from hf_triaccel import AdaFisher, AdaFisherW
 from hf_triaccel.data.images import GPUBatchLoader, ImageTensors, load_image_dataset
 from hf_triaccel.integrations import timm_models  # noqa: F401  registers the CIFAR models
@@ -45,7 +47,7 @@ GIB = 2**30
 # (learning rate, weight decay) per optimizer on the CIFAR ResNet-18. AdaFisherW's: the best
 # of 3e-3 and 1e-2 over 30 epochs (BENCHMARKS.md); AdaFisher, AdamW, SGD (Nesterov) and the
 # curvature-off control: the chosen values of the CIFAR-10 15-epoch comparison
-# (equal_epochs.py; benchmarks/results/chosen.json)
+# (the accuracy subcommand; benchmarks/results/chosen.json)
 HYPERPARAMETERS = {
     "adafisherw": (1e-2, 5e-4),
     "adafisher": (1.2e-2, 5e-4),
@@ -57,14 +59,14 @@ MOMENTUM = 0.9  # SGD's, and AdaFisher's default beta
 DECAY_CHOICES = ("all", "exempt")  # make_optimizer's weight-decay groups of the torch optimizers
 
 
-def base_parser(
-    description: str, options: dict[str, tuple] | None = None, *, impls: bool = True
-) -> argparse.ArgumentParser:
-    """A parser with ``--out``, ``--smoke``, ``--device``, ``--impls`` (with ``impls``) and
-    ``options``: name -> ``(type, smoke default, full default, help)``, as ``--name``
-    (dashes for underscores), for :func:`parse`."""
-    parser = argparse.ArgumentParser(description=description)
+def add_common(
+    parser: argparse.ArgumentParser, options: dict[str, tuple] | None = None, *, impls=True
+) -> None:
+    """Adds ``--out``, ``--records``, ``--smoke``, ``--device``, ``--impls`` (with
+    ``impls``) and ``options``: name -> ``(type, smoke default, full default, help)``, as
+    ``--name`` (dashes for underscores), for :func:`resolve`."""
     parser.add_argument("--out", help="results directory (default: $OUT, else the current one)")
+    parser.add_argument("--records", type=Path, help=records.RECORDS_HELP)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, on CPU, in seconds")
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     if impls:
@@ -74,21 +76,16 @@ def base_parser(
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=kind, help=f"{help_} (default {full}; smoke {smoke})")
         parser.get_default("smoke_defaults")[name] = (smoke, full)
-    return parser
 
 
-def parse(
-    parser: argparse.ArgumentParser,
-    argv: Sequence[str] | None,
-    mode: Callable[[argparse.Namespace], dict[str, Any]] | None = None,
+def resolve(
+    args: argparse.Namespace, mode: Callable[[argparse.Namespace], dict[str, Any]] | None = None
 ) -> argparse.Namespace:
-    """Parses ``argv``: ``device`` becomes a ``torch.device`` (default: CUDA when there is
-    one, the CPU for a smoke run), ``impls`` a list (default: by device); each option left
-    unset takes its default from ``mode(args)`` (a mode the flags chose), else the smoke or
-    full one. Adds ``argv`` (the arguments as given) and ``size`` (the models' size). A
-    smoke run computes on one CPU thread: waking a pool costs more than tiny tensors' work.
-    """
-    args = parser.parse_args(argv)
+    """Completes parsed arguments: ``device`` becomes a ``torch.device`` (default: CUDA
+    when there is one, the CPU for a smoke run), ``impls`` a list (default: by device);
+    each option left unset takes its default from ``mode(args)`` (a mode the flags chose),
+    else the smoke or full one. Adds ``size`` (the models' size). A smoke run computes on
+    one CPU thread: waking a pool costs more than tiny tensors' work."""
     cuda = torch.cuda.is_available() and not args.smoke
     args.device = torch.device(args.device or ("cuda" if cuda else "cpu"))
     if "impls" in args:
@@ -98,11 +95,19 @@ def parse(
     for name, (smoke, full) in args.smoke_defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, chosen.get(name, smoke if args.smoke else full))
-    args.argv, args.size = list(sys.argv[1:] if argv is None else argv), "full"
+    args.size = "full"
     if args.smoke:
         args.size = "tiny"
         torch.set_num_threads(1)
     return args
+
+
+def split(text: str, choices: Sequence[str], flag: str) -> list[str]:
+    """A comma-separated list of ``choices``; a clear error names any other."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items or set(items) - set(choices):
+        raise SystemExit(f"error: {flag} {text!r}: choose from {list(choices)}")
+    return items
 
 
 def synchronize(device: torch.device) -> None:
@@ -474,11 +479,9 @@ def endless(loader: Iterable[Any]) -> Iterator[Any]:
         yield from loader
 
 
-def environment(script: str, argv: Sequence[str], device: torch.device) -> dict[str, Any]:
+def environment(argv: Sequence[str], device: torch.device) -> dict[str, Any]:
     """What a result was measured on and with: the package's environment record (device,
     versions, Python), the CUDA version, git commit, UTC date and the command line."""
-    path = Path(script).resolve()
-    command = str(path.relative_to(REPO_ROOT)) if REPO_ROOT in path.parents else script
     try:
         git = ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"]
         commit = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -487,7 +490,7 @@ def environment(script: str, argv: Sequence[str], device: torch.device) -> dict[
     env = {**package_environment(), "device_type": device.type, "cuda": torch.version.cuda}
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     env.update(git_commit=commit or None, date_utc=now)
-    return {**env, "command": shlex.join(["python", command, *argv])}
+    return {**env, "command": shlex.join(["python", "-m", "benchmarks", *argv])}
 
 
 def report_error(exc: BaseException) -> str:
@@ -543,22 +546,25 @@ def out_dir(args) -> Path:
     return directory
 
 
-def finish(name: str, script: str, args, payload: dict, text: str, processes: int = 1) -> dict:
-    """Prints the device and ``text``, and writes ``<name>.json`` (``payload`` with the
-    :func:`environment` of ``script`` and the arguments in its ``config``) and
-    ``<name>.md`` (``text`` under the command line) into ``--out``, else ``$OUT``, else
-    the current directory. Returns the environment record."""
-    env = environment(script, args.argv, args.device)
+def finish(name: str, args, payload: dict, text: str, processes: int = 1) -> dict:
+    """Prints the device and ``text``; writes ``<name>.json`` (``payload`` with the
+    :func:`environment` and the arguments in its ``config``) and ``<name>.md`` (``text``
+    under the command line) into ``--out``, else ``$OUT``, else the current directory; and
+    appends the run's record (:mod:`benchmarks.records`). Returns the environment record."""
+    env = environment(args.argv, args.device)
     if processes > 1:  # the launcher's own command line is not visible from inside
         env.update(processes=processes, command=f"{processes} processes: {env['command']}")
     print(f"device: {env['device']}; torch {env['versions']['torch']}\n{text}")
     directory = out_dir(args)
     path = directory / f"{name}.json"
-    skip = ("argv", "smoke_defaults", "out")  # the settings: what the arguments chose
-    config = {k: str(v) if k == "device" else v for k, v in vars(args).items() if k not in skip}
+    skip = ("argv", "smoke_defaults", "out", "records", "run")  # what the arguments chose
+    config = {k: str(v) if k in ("device", "records") else v for k, v in vars(args).items()}
+    config = {k: v for k, v in config.items() if k not in skip}
     payload = {"env": env, **payload, "config": {**config, **payload.get("config", {})}}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     header = f"`{env['command']}` on {env['device']} ({env['date_utc']})\n\n"
     (directory / f"{name}.md").write_text(header + text + "\n")
+    record = records.from_payload(name, payload, kind=args.command)
+    records.append(records.destination(args, directory), record)
     print(f"wrote {path}")
     return env

@@ -2,11 +2,11 @@
 final test accuracy reaches the target, its training time, and that time over the better
 of the two tuned baselines (AdamW(fused) and SGD).
 
-The runs are ``equal_epochs.py`` runs (the same arms, model, data path, one-cycle
+The runs are ``accuracy.py`` runs (the same arms, model, data path, one-cycle
 schedule over each budget, label smoothing), one per budget, appended to the same JSON
-lines file: the 15-epoch, batch-512 comparison of ``equal_epochs.py`` is one budget of
+lines file: the 15-epoch, batch-512 comparison of ``accuracy.py`` is one budget of
 this grid. An arm's accuracy at a budget is the mean over seeds of its chosen
-configuration there (``equal_epochs.summarise``). The target of a data set and batch
+configuration there (``accuracy.summarise``). The target of a data set and batch
 size is the best accuracy AdamW reaches within :data:`TARGET_EPOCHS` epochs (with every
 parameter decayed or with biases and normalisation weights exempt, :data:`ADAMW_ARMS`);
 the baselines are both AdamW arms and both SGD arms (:data:`BASELINES`).
@@ -26,13 +26,13 @@ optimizer's defaults and the recipes' settings), chosen from the 15-epoch compar
 :func:`chosen_values`.
 
 Usage:
-    python benchmarks/time_to_accuracy.py --data .data/cifar10 --budgets 10,20,30,40 \\
+    python -m benchmarks time-to-accuracy --data .data/cifar10 --budgets 10,20,30,40 \\
         --grid adamw:lr=2.4e-2:wd=0.1 sgd:lr=0.8 adafisher:lr=1.2e-2 --workers 4
-    python benchmarks/time_to_accuracy.py --data .data/cifar10 --timing \\
+    python -m benchmarks time-to-accuracy --data .data/cifar10 --timing \\
         --grid adamw:lr=2.4e-2:wd=0.1 sgd:lr=0.8 adafisher:lr=1.2e-2
-    python benchmarks/time_to_accuracy.py --summarise benchmarks/results/equal_epochs.jsonl \\
+    python -m benchmarks time-to-accuracy --summarise benchmarks/results/accuracy.jsonl \\
         --chosen benchmarks/results/chosen.json --plot docs/time_to_accuracy.png
-    python benchmarks/time_to_accuracy.py --smoke --results /tmp/tta.jsonl   # CPU
+    python -m benchmarks time-to-accuracy --smoke --results /tmp/tta.jsonl   # CPU
 """
 
 import argparse
@@ -40,17 +40,15 @@ import dataclasses
 import itertools
 import json
 import statistics
-import sys
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import equal_epochs
-import harness
-import train_cifar
-
+from benchmarks import accuracy, cifar, harness
 from hf_triaccel.optim.config import AdaFisherConfig
+
+NAME = "time-to-accuracy"
+HELP = "time to accuracy over the accuracy arms, and the chosen values"
 
 TARGET_EPOCHS = 40  # the target: AdamW's best accuracy within this many epochs
 BUDGETS = (10, 15, 20, 30, 40)
@@ -58,8 +56,8 @@ ADAMW_ARMS = ("adamw", "adamw_exempt")  # the target: the best of these
 BASELINES = (*ADAMW_ARMS, "sgd", "sgd_exempt")
 TIMES = harness.REPO_ROOT / "benchmarks" / "results" / "epoch_seconds.jsonl"
 SMOKE_GRID = ("adamw:lr=3e-3:wd=0.05", "adafisher:lr=3e-3")
-# the comparison the shipped values are chosen from: equal_epochs.py's
-CHOICE_MODEL, CHOICE_EPOCHS, CHOICE_BATCH = equal_epochs.MODEL, 15, 512
+# the comparison the shipped values are chosen from: accuracy.py's
+CHOICE_MODEL, CHOICE_EPOCHS, CHOICE_BATCH = accuracy.MODEL, 15, 512
 # data set -> the recipe trained on it, whose optimizer settings the choice sets
 RECIPES = {"cifar10": "cifar10_resnet18", "cifar100": "cifar100_resnet18"}
 DEFAULT_FROM = "cifar10"  # the optimizer's default lr: the choice on this data set
@@ -67,17 +65,17 @@ PUBLISHED = "adafisher"  # the published algorithm, the default unless an arm cl
 PLOT_SEEDS = 3  # the plot's points: budgets run at this many seeds
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The grid, budgets, timing, summary and chosen-values flags."""
     parser.add_argument("--data", nargs="+", default=[".data/cifar10"], help="parquet folders")
-    parser.add_argument("--grid", nargs="+", help="equal_epochs.py's ARM:lr=A[:wd=C] specs")
+    parser.add_argument("--grid", nargs="+", help="accuracy.py's ARM:lr=A[:wd=C] specs")
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="epochs")
     parser.add_argument("--batch_size", type=int, default=512)
-    parser.add_argument("--model", default=equal_epochs.MODEL, help="timm model")
+    parser.add_argument("--model", default=accuracy.MODEL, help="timm model")
     parser.add_argument("--seeds", default="0", help="comma-separated")
     parser.add_argument("--workers", type=int, default=1, help="training processes at once")
     parser.add_argument("--stop_after", type=float, help="seconds: start no run after them")
-    parser.add_argument("--results", type=Path, default=equal_epochs.RESULTS, help="JSON lines")
+    parser.add_argument("--results", type=Path, default=accuracy.RESULTS, help="JSON lines")
     parser.add_argument("--timing", action="store_true", help="time each arm alone instead")
     parser.add_argument("--timing_epochs", type=int, default=3)
     parser.add_argument("--timing_rounds", type=int, default=3)
@@ -86,23 +84,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--chosen", type=Path, help="write the chosen values (JSON) here")
     parser.add_argument("--plot", type=Path, help="write accuracy against time (PNG) here")
     parser.add_argument("--smoke", action="store_true", help="CPU, random images, 2 steps a run")
-    args = parser.parse_args(argv)
+
+
+def check(args: argparse.Namespace) -> argparse.Namespace:
+    """The smoke grid; every spec parsed before any run; a clear error without a grid."""
     if args.grid is None:
         args.grid = list(SMOKE_GRID) if args.smoke else []
     for spec in args.grid:
-        equal_epochs.parse_spec(spec)  # a bad spec fails here, before any run
+        accuracy.parse_spec(spec)  # a bad spec fails here, before any run
     if not args.grid and not args.summarise:
-        parser.error("--grid is required (or --summarise)")
+        raise SystemExit("error: --grid is required (or --summarise)")
     return args
 
 
 def run_grid(args: argparse.Namespace) -> int:
-    """The budgets' runs, through ``equal_epochs.py``; returns the failures."""
+    """The budgets' runs, through ``accuracy.py``; returns the failures."""
     argv = ["--data", *args.data, "--epochs", args.budgets, "--grid", *args.grid]
     argv += ["--batch_size", str(args.batch_size), "--seeds", args.seeds, "--model", args.model]
     argv += ["--workers", str(args.workers), "--results", str(args.results)]
     argv += ["--stop_after", str(args.stop_after)] if args.stop_after is not None else []
-    return equal_epochs.main(argv + ["--smoke"] * args.smoke)
+    return accuracy.run(accuracy.parse_args(argv + ["--smoke"] * args.smoke))
 
 
 def time_key(record: dict[str, Any]) -> tuple[str, str, int]:
@@ -113,26 +114,24 @@ def run_timing(args: argparse.Namespace) -> int:
     """Each arm of the grid trained alone for ``--timing_epochs`` (at its first
     configuration: the time does not depend on it), the arms in turn, until each has
     ``--timing_rounds`` records in ``--times``. Returns the failures."""
-    done = Counter(time_key(r) for r in equal_epochs.read_records([args.times]))
+    done = Counter(time_key(r) for r in accuracy.read_records([args.times]))
     args.times.parent.mkdir(parents=True, exist_ok=True)
     batch_size = 8 if args.smoke else args.batch_size
     grid = argparse.Namespace(data=args.data, epochs=[args.timing_epochs], seeds=[0])
     grid.batch_size, grid.smoke, grid.model = batch_size, args.smoke, args.model
-    grid.grid = [
-        (arm, lrs[:1], wds[:1]) for arm, lrs, wds in map(equal_epochs.parse_spec, args.grid)
-    ]
+    grid.grid = [(arm, lrs[:1], wds[:1]) for arm, lrs, wds in map(accuracy.parse_spec, args.grid)]
     failed, data = 0, {}
-    rounds = itertools.product(range(args.timing_rounds), equal_epochs.jobs(grid))
+    rounds = itertools.product(range(args.timing_rounds), accuracy.jobs(grid))
     for i, job in rounds:
         dataset = Path(job["data"]).name
         if done[time_key(job)] > i:
             continue
         done[time_key(job)] += 1
-        run_args = equal_epochs.train_args(job, grid)
+        run_args = accuracy.train_args(job, grid)
         if job["data"] not in data:
-            data[job["data"]] = train_cifar.load_data(run_args)
+            data[job["data"]] = cifar.load_data(run_args)
         try:
-            record = train_cifar.run(run_args, data[job["data"]])
+            record = cifar.train(run_args, data[job["data"]])
         except Exception as exc:  # the other arms are still timed
             harness.report_error(exc)
             failed += 1
@@ -144,7 +143,7 @@ def run_timing(args: argparse.Namespace) -> int:
         timing["batch_size"] = batch_size
         timing.update(epoch_seconds=statistics.median(seconds[1:] or seconds))
         timing.update(steps=record["steps"], epochs=len(seconds), env=record["env"])
-        equal_epochs.append(args.times, timing)
+        accuracy.append(args.times, timing)
         print(f"{dataset} {job['arm']}: {timing['epoch_seconds']:.3f} s an epoch", flush=True)
     return failed
 
@@ -174,7 +173,7 @@ def summarise(records: list[dict[str, Any]], times: list[dict[str, Any]]) -> dic
         if r["workers"] == 1:
             solo[(r["dataset"], *time_key(r), r["budget_epochs"])] = r["train_seconds"]
     out: dict[tuple, dict] = {}
-    for (dataset, model, epochs, batch), arms in equal_epochs.summarise(records).items():
+    for (dataset, model, epochs, batch), arms in accuracy.summarise(records).items():
         entry = out.setdefault((dataset, model, batch), {"arms": {}})
         for arm, found in arms.items():
             if found["best"] is None:
@@ -214,7 +213,7 @@ def report(summary: dict[tuple, dict]) -> str:
     parts = []
     for (dataset, model, batch), entry in sorted(summary.items()):
         budgets = sorted({b for runs in entry["arms"].values() for b in runs})
-        arms = [a for a in equal_epochs.ARMS if a in entry["arms"]]
+        arms = [a for a in accuracy.ARMS if a in entry["arms"]]
         target = entry["target"]
         lines = [f"### {dataset}, {model}, batch {batch}", ""]
         lines.append(
@@ -268,7 +267,7 @@ def chosen_values(records: list[dict[str, Any]]) -> dict[str, Any]:
     :data:`DEFAULT_FROM`. Each recipe takes its data set's chosen AdaFisher settings in
     that comparison and, for ``--baseline``, the chosen AdamW settings.
     """
-    summary = equal_epochs.summarise(records)
+    summary = accuracy.summarise(records)
 
     def chosen(arms: dict[str, Any], arm: str) -> dict[str, Any] | None:
         found = arms.get(arm)
@@ -325,12 +324,12 @@ def chosen_values(records: list[dict[str, Any]]) -> dict[str, Any]:
     settings = {f.name for f in dataclasses.fields(AdaFisherConfig)}
     adafisher_arms = [
         a
-        for a, (opt, flags) in equal_epochs.ARMS.items()
+        for a, (opt, flags) in accuracy.ARMS.items()
         if opt == "adafisher" and settings >= set(flags)
     ]
     winners = [a for a in adafisher_arms if a != PUBLISHED and beats(a)]
     rule = max(winners, key=lambda a: chosen(stage[DEFAULT_FROM], a)["mean"], default=PUBLISHED)
-    config = AdaFisherConfig(**equal_epochs.ARMS[rule][1])
+    config = AdaFisherConfig(**accuracy.ARMS[rule][1])
     default = chosen(stage.get(DEFAULT_FROM, {}), rule)
     recipes = {}
     for dataset, recipe in RECIPES.items():
@@ -424,15 +423,15 @@ def run_of(record: dict[str, Any], key: tuple, arm: str, budget: int, run: dict)
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
     """Runs the grid (or the timing) and prints the summary, or only summarises;
     returns the failures."""
-    args = parse_args(argv)
+    check(args)
     failed = 0
     if not args.summarise:
         failed = run_timing(args) if args.timing else run_grid(args)
-    records = equal_epochs.read_records(args.summarise or [args.results])
-    times = equal_epochs.read_records([args.times])
+    records = accuracy.read_records(args.summarise or [args.results])
+    times = accuracy.read_records([args.times])
     summary = summarise(records, times)
     print(report(summary))
     if args.plot is not None:
@@ -440,7 +439,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.chosen is not None:
         args.chosen.write_text(json.dumps(chosen_values(records), indent=2) + "\n")
     return failed
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -76,7 +76,7 @@ GPU_PLAN = Plan(
         "adafisherw": (3e-3, 5e-4),
     },
 )
-# The CPU plan: the best of its own grid on the embedded slice (benchmarks/quickstart_grid.py)
+# The CPU plan: the best of its own grid on the embedded slice (docs/benchmarks_history.md)
 CPU_PLAN = Plan(
     batch_size=64,
     epochs=2,

@@ -6,10 +6,10 @@ from, not the speed of anything.
 
 from __future__ import annotations
 
+import doctest
 import gc
 import importlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,13 +18,15 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
+from benchmarks import records
+from benchmarks.__main__ import SUBCOMMANDS, main, parser
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    """Imports a benchmark script the way ``python benchmarks/<script>.py`` would."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+def bench():
+    """Imports a subcommand's module of the ``benchmarks`` package."""
     # tiny tensors on a shared CPU: waking a thread pool costs more than the work, and
     # made the same smoke run several times slower
     threads = torch.get_num_threads()
@@ -32,7 +34,7 @@ def bench(monkeypatch):
     # each auto_find_batch_size restart collects garbage three times, a quarter second
     # each over the test process's heap: objects alive now are left out of those scans
     gc.freeze()
-    yield importlib.import_module
+    yield lambda name: importlib.import_module(f"benchmarks.{name}")
     gc.unfreeze()
     torch.set_num_threads(threads)
 
@@ -44,20 +46,63 @@ def _load(path: Path) -> dict:
         assert key in env
     assert set(env["versions"]) >= {"torch", "triton", "timm", "transformers", "hf-triaccel"}
     assert env["versions"]["torch"] and env["versions"]["timm"]
-    assert "--smoke" in env["command"]
+    assert env["command"].startswith("python -m benchmarks ") and "--smoke" in env["command"]
     return payload
 
 
-def _run(bench, script: str, tmp_path: Path, *flags: str, record: str | None = None) -> dict:
-    """Runs ``script`` with ``--smoke`` and ``flags``; returns its JSON record (``record``:
-    the record's name when it is not the script's)."""
-    assert bench(script).main(["--smoke", "--device", "cpu", *flags, "--out", str(tmp_path)]) == 0
-    assert (tmp_path / f"{record or script}.md").is_file()
-    return _load(tmp_path / f"{record or script}.json")
+def _run(bench, command: str, tmp_path: Path, *flags: str, record: str | None = None) -> dict:
+    """Runs ``python -m benchmarks COMMAND --smoke FLAGS``; checks the record it appended
+    and returns its JSON payload (``record``: the payload's name when it is not the
+    command's)."""
+    argv = [command, "--smoke", "--device", "cpu", *flags, "--out", str(tmp_path)]
+    assert main(argv) == 0
+    name = record or command
+    assert (tmp_path / f"{name}.md").is_file()
+    payload = _load(tmp_path / f"{name}.json")
+    last = records.read(tmp_path / "records.jsonl")[-1]
+    assert (last["kind"], last["name"]) == (command, name)
+    assert set(last) >= set(records.FIELDS) | {"metrics"}
+    env = payload["env"]
+    assert (last["date"], last["commit"], last["machine"]) == (
+        env["date_utc"],
+        env["git_commit"],
+        env["device"],
+    )
+    assert last["versions"] == env["versions"] and last["config"] == payload["config"]
+    return payload
+
+
+def test_every_subcommand_is_listed_with_its_interface(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listing = capsys.readouterr().out
+    names = [module.NAME for module in SUBCOMMANDS]
+    assert len(set(names)) == len(names)
+    for module in SUBCOMMANDS:
+        assert module.NAME in listing and module.HELP
+        assert callable(module.add_arguments) and callable(module.run)
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py")} - {"__init__", "__main__"}
+    shared = {"harness", "records"}
+    assert scripts - shared == {m.__name__.rsplit(".", 1)[-1] for m in SUBCOMMANDS}
+
+
+def test_the_record_format_and_report_examples_run():
+    for module in ("records", "report"):
+        result = doctest.testmod(importlib.import_module(f"benchmarks.{module}"))
+        assert result.attempted > 0 and result.failed == 0, module
+
+
+def test_benchmarks_md_tables_match_the_records(capsys):
+    assert main(["report", "--check"]) == 0, capsys.readouterr().out[-3000:]
+
+
+def test_a_bad_list_is_refused_at_the_start(bench):
+    with pytest.raises(SystemExit, match="--layouts 'sideways'"):
+        main(["step", "--smoke", "--layouts", "sideways"])
 
 
 def test_bench_optimizer_smoke(bench, tmp_path):
-    payload = _run(bench, "bench_optimizer", tmp_path, "--impls", "foreach,reference")
+    payload = _run(bench, "optimizer", tmp_path, "--impls", "foreach,reference")
     assert payload["copy_bandwidth"]["gbytes_per_s"] > 0
     assert set(payload["models"]) == {"resnet18-cifar", "vit-b16"}
     for model in payload["models"].values():
@@ -77,7 +122,7 @@ def test_bench_optimizer_smoke(bench, tmp_path):
 
 
 def test_bench_train_step_smoke(bench, tmp_path):
-    payload = _run(bench, "bench_train_step", tmp_path, "--impls", "foreach")
+    payload = _run(bench, "step", tmp_path, "--impls", "foreach", record="step_resnet18_cifar")
     assert payload["config"]["autocast"] == "bfloat16"
     rows = payload["results"]
     assert [(r["optimizer"], r["impl"], r["refresh"], r["layout"]) for r in rows] == [
@@ -104,7 +149,7 @@ def test_bench_train_step_smoke(bench, tmp_path):
 def test_bench_train_step_rounds_smoke(bench, tmp_path):
     """Every variant measured in turn, twice: medians and ratios over the rounds."""
     args = ("--impls", "foreach", "--layouts", "channels_last", "--rounds", "2")
-    rows = _run(bench, "bench_train_step", tmp_path, *args)["results"]
+    rows = _run(bench, "step", tmp_path, *args, record="step_resnet18_cifar")["results"]
     assert len(rows) == 3
     for row in rows:
         assert row["status"] == "ok", row["note"]
@@ -119,12 +164,12 @@ def test_bench_train_step_vit_smoke(bench, tmp_path):
     flags = ("--model", "vit_base_patch16_224", "--impls", "foreach", "--layouts", "channels_last")
     payload = _run(
         bench,
-        "bench_train_step",
+        "step",
         tmp_path,
         *flags,
         "--steps",
         "2",
-        record="bench_train_step_vit_base_patch16_224",
+        record="step_vit_base_patch16_224",
     )
     assert payload["config"]["image_size"] == 32  # the tiny ViT's
     rows = payload["results"]
@@ -159,7 +204,7 @@ def test_refresh_bytes_counts_each_layers_input_and_output_gradient(bench):
 def test_bench_train_step_more_models_smoke(bench, tmp_path, model, layout):
     """The CIFAR EfficientNet-B0 on images, GPT-2 on random tokens (one layout: none)."""
     flags = ("--model", model, "--impls", "foreach", "--layouts", "channels_last", "--steps", "2")
-    payload = _run(bench, "bench_train_step", tmp_path, *flags, record=f"bench_train_step_{model}")
+    payload = _run(bench, "step", tmp_path, *flags, record=f"step_{model}")
     rows = payload["results"]
     assert [(r["optimizer"], r["refresh"], r["layout"]) for r in rows] == [
         ("AdamW", None, layout),
@@ -170,7 +215,7 @@ def test_bench_train_step_more_models_smoke(bench, tmp_path, model, layout):
 
 
 def test_bench_train_step_host_smoke(bench, tmp_path):
-    payload = _run(bench, "bench_train_step", tmp_path, "--host", record="bench_train_step_host")
+    payload = _run(bench, "step", tmp_path, "--host", record="step_host_resnet18_cifar")
     rows = {row["refresh"]: row for row in payload["results"]}
     assert [r["impl"] for r in rows.values()] == ["fused", "triton", "triton"]
     assert all(
@@ -204,7 +249,7 @@ def test_count_python_counts_each_function_once_per_call(bench):
 
 
 def test_bench_optimizer_host_smoke(bench, tmp_path):
-    payload = _run(bench, "bench_optimizer", tmp_path, "--host", record="bench_optimizer_host")
+    payload = _run(bench, "optimizer", tmp_path, "--host", record="optimizer_host")
     assert payload["config"]["stub_kernels"] is True
     rows = {(r["model"], r["optimizer"]): r for r in payload["results"]}
     # the narrowed models keep the tensors of the full ones
@@ -218,10 +263,10 @@ def test_bench_optimizer_host_smoke(bench, tmp_path):
 
 def test_bench_trainer_smoke(bench, tmp_path):
     warmup, steps = 2, 3
-    payload = _run(bench, "bench_trainer", tmp_path, "--warmup", str(warmup), "--steps", str(steps))
+    payload = _run(bench, "trainer", tmp_path, "--warmup", str(warmup), "--steps", str(steps))
     assert payload["config"]["world_size"] == 1 and payload["config"]["steps"] == steps
     rows = {r["variant"]: r for r in payload["results"]}
-    assert list(rows) == list(bench("bench_trainer").DEFAULT_VARIANTS)
+    assert list(rows) == list(bench("trainer").DEFAULT_VARIANTS)
     for row in rows.values():
         assert row["status"] == "ok", row["note"]
         assert row["samples_per_second"] > 0 and row["vs_loop"] > 0
@@ -237,7 +282,7 @@ def test_bench_trainer_compiled_smoke(bench, tmp_path):
     not inductor's code)."""
     variants = "loop_adamw_fused,loop_adamw_fused_compiled,trainer_adafisherw_compiled"
     flags = ("--warmup", "3", "--steps", "2", "--compile-backend", "eager", "--variants", variants)
-    payload = _run(bench, "bench_trainer", tmp_path, *flags)
+    payload = _run(bench, "trainer", tmp_path, *flags)
     rows = {r["variant"]: r for r in payload["results"]}
     assert list(rows) == variants.split(",")
     for row in rows.values():
@@ -251,14 +296,6 @@ def test_bench_trainer_compiled_smoke(bench, tmp_path):
     )
 
 
-def test_trainer_host_costs_smoke(bench, tmp_path):
-    payload = _run(bench, "trainer_host_costs", tmp_path, "--repeats", "2")
-    rows = payload["results"]
-    assert {r["runner"] for r in rows} == {"Trainer", "loop"}
-    for row in rows:
-        assert 0 < row["best_us"] <= row["median_us"], row
-
-
 def test_bench_trainer_nchw_layout_smoke(bench, tmp_path):
     flags = (
         "--warmup",
@@ -270,7 +307,7 @@ def test_bench_trainer_nchw_layout_smoke(bench, tmp_path):
         "--variants",
         "trainer_adafisherw",
     )
-    payload = _run(bench, "bench_trainer", tmp_path, *flags)
+    payload = _run(bench, "trainer", tmp_path, *flags)
     (row,) = payload["results"]
     assert row["status"] == "ok" and row["layout"] == "nchw" and row["vs_loop"] is None
 
@@ -278,7 +315,7 @@ def test_bench_trainer_nchw_layout_smoke(bench, tmp_path):
 def test_bench_elastic_smoke(bench, tmp_path):
     """The figures are recorded; the controller's acceptance is
     tests/memory/test_elastic_acceptance.py."""
-    payload = _run(bench, "bench_elastic", tmp_path)
+    payload = _run(bench, "elastic", tmp_path)
     E = payload["config"]["effective_batch"]
     run = payload["controller_run"]
     assert run["error"] is None
@@ -322,72 +359,15 @@ def test_bench_elastic_smoke(bench, tmp_path):
     assert elastic["vs_fixed"] == elastic["samples_per_s"] / fixed["samples_per_s"]
 
 
-def test_bench_elastic_fixed_micro_batch_needs_the_elastic_run(bench):
-    with pytest.raises(SystemExit):
-        bench("bench_elastic").main(["--smoke", "--parts", "controller,fixed_micro_batch"])
-
-
-@pytest.mark.slow
-def _fast_defaults(tmp_path: Path, *flags: str, timeout: int = 500, **env: str) -> None:
-    """Runs ``benchmarks/fast_defaults.sh --smoke FLAGS`` with its records in ``tmp_path``
-    (dynamo's eager backend for the compiled stages, to stay within seconds); every stage
-    must pass."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, **env}
-    env.setdefault("COMPILE_BACKEND", "eager")
-    done = subprocess.run(
-        ["bash", str(BENCHMARKS / "fast_defaults.sh"), *flags, "--smoke"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
-def test_fast_defaults_script_smoke(tmp_path):
-    """Every stage of benchmarks/fast_defaults.sh runs and writes its record (CPU, tiny
-    models)."""
-    _fast_defaults(tmp_path)
-    records = {
-        "train_step_resnet18": "bench_train_step",
-        "train_step_vit_b16": "bench_train_step_vit_base_patch16_224",
-        "trainer": "bench_trainer",
-        "trainer_compile": "bench_trainer",
-    }
-    for stage, record in records.items():
-        payload = _load(tmp_path / stage / f"{record}.json")
-        assert all(r["status"] == "ok" for r in payload["results"]), stage
-    summary = (tmp_path / "fast_defaults.md").read_text()
-    assert summary.count("exit 0 after") == len(records)
-    assert "0 stage(s) failed" in summary
-
-
-def test_fast_defaults_refresh_script_smoke(tmp_path):
-    """``fast_defaults.sh --refresh``: the training step of every model and the refresh
-    profile of every model but EfficientNet-B0 (left out of smoke runs: see the script),
-    each stage's record written, the traces gzipped (CPU, tiny models)."""
-    _fast_defaults(tmp_path, "--refresh")
-    models = ("resnet18_cifar", "vit_base_patch16_224", "efficientnet_b0_cifar", "gpt2")
-    profiled = [m for m in models if m != "efficientnet_b0_cifar"]
-    for model in models:
-        suffix = "" if model == "resnet18_cifar" else f"_{model}"
-        steps = _load(tmp_path / f"train_step_{model}" / f"bench_train_step{suffix}.json")
-        assert all(r["status"] == "ok" for r in steps["results"]), model
-        if model in profiled:
-            profile = _load(tmp_path / f"profile_{model}" / f"profile_refresh{suffix}.json")
-            fold = profile["results"]["AdaFisherW, refresh every step"]["ranges"]["fold"]
-            assert fold[0] == 1
-    for model in ("resnet18_cifar", "gpt2"):
-        assert (tmp_path / f"profile_{model}" / f"profile_refresh_{model}.trace.json.gz").is_file()
-    summary = (tmp_path / "fast_defaults_refresh.md").read_text()
-    assert summary.count("exit 0 after") == len(models) + len(profiled)
+def test_bench_elastic_fixed_micro_batch_needs_the_elastic_run():
+    with pytest.raises(SystemExit, match="fixed_micro_batch runs the size"):
+        main(["elastic", "--smoke", "--parts", "controller,fixed_micro_batch"])
 
 
 def test_time_to_accuracy_smoke_appends_resumes_and_times(bench, tmp_path, capsys):
-    tta = bench("time_to_accuracy")
     results, times = tmp_path / "tta.jsonl", tmp_path / "times.jsonl"
     flags = ["--smoke", "--results", str(results), "--times", str(times), "--budgets", "1,2"]
-    assert tta.main(flags) == 0
+    assert main(["time-to-accuracy", *flags]) == 0
     records = [json.loads(line) for line in results.read_text().splitlines()]
     # each budget its own run of every arm, in the order given
     assert [(r["budget_epochs"], r["arm"]) for r in records] == [
@@ -399,16 +379,16 @@ def test_time_to_accuracy_smoke_appends_resumes_and_times(bench, tmp_path, capsy
     assert all(r["steps"] == 2 and r["workers"] == 1 and "env" in r for r in records)
     assert "| arm | time to target | budget | x the better baseline |" in capsys.readouterr().out
     # a second call runs only what the file lacks: one more budget
-    assert tta.main([*flags[:-1], "1,2,3"]) == 0
+    assert main(["time-to-accuracy", *flags[:-1], "1,2,3"]) == 0
     records = [json.loads(line) for line in results.read_text().splitlines()]
     assert [(r["budget_epochs"], r["arm"]) for r in records[4:]] == [(3, "adamw"), (3, "adafisher")]
     # timing: the arms in turn, each round once, resumable
     timing = [*flags[:5], "--timing", "--timing_epochs", "1", "--timing_rounds", "2"]
-    assert tta.main(timing) == 0
+    assert main(["time-to-accuracy", *timing]) == 0
     rounds = [json.loads(line) for line in times.read_text().splitlines()]
     assert [r["arm"] for r in rounds] == ["adamw", "adafisher", "adamw", "adafisher"]
     assert all(r["epoch_seconds"] > 0 and r["batch_size"] == 8 for r in rounds)
-    assert tta.main(timing) == 0 and len(times.read_text().splitlines()) == 4
+    assert main(["time-to-accuracy", *timing]) == 0 and len(times.read_text().splitlines()) == 4
 
 
 def _budget_run(arm: str, epochs: int, accuracy: float, seed: int = 0, lr: float = 1e-2) -> dict:
@@ -517,64 +497,21 @@ def test_chosen_values_change_the_rule_only_beyond_the_noise(bench):
     assert tta.chosen_values(level)["rule"] == "adafisher"
 
 
-@pytest.mark.slow
-def test_fast_defaults_long_script_smoke(tmp_path):
-    """Every stage of ``fast_defaults.sh --long`` runs and leaves the records the
-    acceptance figures are read from (CPU, tiny models, the embedded data)."""
-    _fast_defaults(tmp_path, "--long", timeout=600, DATA="embedded")
-    stages = ("recipe", "loop", "recipe_compile", "elastic", "time_to_accuracy", "acceptance")
-    summary = (tmp_path / "fast_defaults_long.md").read_text()
-    assert summary.count("exit 0 after") == len(stages) and "0 stage(s) failed" in summary
-    for stage in stages:
-        assert f"## {stage}\n" in summary and (tmp_path / f"{stage}.log").is_file()
-    # the recipe runs keep their records, not their models
-    assert not list(tmp_path.rglob("*.safetensors"))
-    acceptance = json.loads((tmp_path / "acceptance" / "acceptance.json").read_text())
-    runs = acceptance["runs"]
-    assert all(run["samples_per_second"] > 0 for run in runs.values())
-    assert runs["recipe"]["compile_seconds"] is None
-    assert runs["recipe_compile"]["compile_seconds"] >= 0.0
-    checks = {c["check"]: c for c in acceptance["checks"]}
-    assert len(checks) == 5 and all(c["value"] is not None for c in checks.values())
-    ratio = runs["recipe"]["samples_per_second"] / runs["loop"]["samples_per_second"]
-    assert checks["recipe / loop, training samples/s"]["value"] == pytest.approx(ratio)
-    assert acceptance["elastic_vs_fixed"] > 0
-    # the loop clips as the recipe's Trainer does, at its default norm
-    loop = json.loads((tmp_path / "loop" / "train_cifar.json").read_text())
-    assert loop["max_grad_norm"] == TrainingArguments(output_dir=str(tmp_path)).max_grad_norm
-    # the sanity budget: one run per optimizer, in the grid's format
-    records = (tmp_path / "time_to_accuracy" / "time_to_accuracy.jsonl").read_text().splitlines()
-    assert [json.loads(r)["arm"] for r in records] == ["adamw", "adafisher"]
-    assert "| check | measured | target | met |" in summary
-
-
-def test_bench_commits_smoke(tmp_path):
-    """Three commits' packages (here HEAD given as a revision, as its hash and as its git
-    archive, the form for a machine without the history), each assembled and timed in its
-    own process: rows for every variant of each, and the summary of their medians."""
+def test_bench_commits_smoke(tmp_path, capsys):
+    """Two commits' packages (here HEAD given as its hash and as its git archive, the form
+    for a machine without the history), each assembled and timed in its own process: rows
+    for every variant of each, and the summary of their medians."""
     archive = tmp_path / "head.tar"
     with archive.open("wb") as f:
-        subprocess.run(
-            ["git", "-C", str(BENCHMARKS.parent), "archive", "HEAD", "hf_triaccel", "kernels"],
-            stdout=f,
-            check=True,
-        )
-    head = subprocess.run(
-        ["git", "-C", str(BENCHMARKS), "rev-parse", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    commits = [str(archive), "HEAD", head]
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_commits.py"), *commits, "--smoke"]
-        + ["--rounds", "1", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads((tmp_path / "bench_commits.json").read_text())
+        git = ["git", "-C", str(BENCHMARKS.parent), "archive", "HEAD", "hf_triaccel"]
+        subprocess.run(git, stdout=f, check=True)
+    rev = ["git", "-C", str(BENCHMARKS), "rev-parse", "HEAD"]
+    head = subprocess.run(rev, capture_output=True, text=True, check=True).stdout.strip()
+    commits = [str(archive), head]
+    out = ["--rounds", "1", "--out", str(tmp_path)]
+    assert main(["commits", *commits, "--smoke", *out]) == 0
+    rows = json.loads((tmp_path / "commits_rounds.json").read_text())
+    assert rows == _load(tmp_path / "commits.json")["results"]
     assert [r["commit"] for r in rows] == [c for c in commits for _ in range(3)]
     assert {(r["optimizer"], r["update_every"]) for r in rows} == {
         ("adamw", 0),
@@ -582,17 +519,29 @@ def test_bench_commits_smoke(tmp_path):
         ("adafisherw", 10**9),
     }
     assert all(r["train_step_ms"] > 0 and r["optimizer_step_ms"] > 0 for r in rows)
-    summary = done.stdout[
-        done.stdout.index("| commit | optimizer | update_every | train step ms,") :
-    ]
+    stdout = capsys.readouterr().out
+    summary = stdout[stdout.index("| commit | optimizer | update_every | train step ms,") :]
+    summary = summary[: summary.index("wrote ")]
     assert summary.count("\n| ") == len(rows)  # one round: a median a row
     assert all(f"| {c} | adamw | 0 |" in summary for c in commits)
     assert summary.count(" 1.000x |") >= len(commits)  # AdamW against itself
 
 
+def test_commits_assemble_the_kernels_of_a_commit_before_they_moved(tmp_path):
+    """Up to dbf24d3 the kernels lived in a top-level kernels/ folder: the assembled
+    package holds them as hf_triaccel.kernels."""
+    commits = importlib.import_module("benchmarks.commits")
+    listed = ["git", "-C", str(BENCHMARKS), "cat-file", "-e", "dbf24d3^{commit}"]
+    if subprocess.run(listed, capture_output=True).returncode:
+        pytest.skip("a clone without dbf24d3")
+    tree = commits.assemble("dbf24d3", tmp_path / "old")
+    assert (tree / "hf_triaccel" / "kernels" / "stats.py").is_file()
+    assert not (tree / "kernels").exists()
+
+
 def test_equal_epochs_smoke_appends_resumes_and_summarises(bench, tmp_path, capsys):
-    ee, results = bench("equal_epochs"), tmp_path / "ee.jsonl"
-    assert ee.main(["--smoke", "--results", str(results)]) == 0
+    ee, results = bench("accuracy"), tmp_path / "ee.jsonl"
+    assert main(["accuracy", "--smoke", "--results", str(results)]) == 0
     records = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["arm"] for r in records] == ["adamw", "curvature_off", "adafisher_paper"]
     # each arm trains with its own optimizer and fold rule
@@ -612,8 +561,9 @@ def test_equal_epochs_smoke_appends_resumes_and_summarises(bench, tmp_path, caps
     assert "| adamw | 0.003 | 0.05 | 1 |" in capsys.readouterr().out
     # a second call runs only what the file lacks: one more seed of one arm
     assert (
-        ee.main(
+        main(
             [
+                "accuracy",
                 "--smoke",
                 "--results",
                 str(results),
@@ -635,7 +585,7 @@ def _grid_run(arm: str, lr: float, seed: int, accuracy: float, wd: float = 0.05)
 
 
 def test_equal_epochs_summary_chooses_at_the_sweep_seed(bench):
-    ee = bench("equal_epochs")
+    ee = bench("accuracy")
     records = [
         _grid_run("adamw", 1e-3, 0, 0.60),
         _grid_run("adamw", 2e-3, 0, 0.64),
@@ -686,37 +636,6 @@ def test_baselines_decay_every_parameter_or_exempt_the_ones_adafisher_exempts(be
         harness.make_optimizer(kind, model, decay="some")
 
 
-def test_fisher_ranges_smoke(bench, capsys):
-    fisher_ranges = bench("fisher_ranges")
-    result = fisher_ranges.main(["--smoke", "--steps", "1"])
-    assert result["layers"] > 0 and "g_range: median" in capsys.readouterr().out
-    # the factors the update reads are the min-max normalised EMAs: within [0, 1]
-    assert 0.0 <= result["g_used_max"]["min"] <= result["g_used_max"]["max"] <= 1.0
-    assert result["a_range"]["min"] >= 0.0
-    # scale-free: every layer's largest normalised entry is 1 up to the 1e-6 of its
-    # denominator and float32 rounding, whatever the statistic's range. (Two steps: timm
-    # zero-initialises each residual branch's last BatchNorm weight, so the first step's
-    # gradient statistics inside the branches are all zero, a range of 0.)
-    relative = fisher_ranges.main(["--smoke", "--steps", "2", "--normalise", "relative"])
-    assert relative["g_used_max"]["min"] == pytest.approx(1.0, abs=1e-5)
-
-
-def test_compiled_gradients_smoke(bench, capsys):
-    compiled_gradients = bench("compiled_gradients")
-    rows = compiled_gradients.main(["--smoke"])
-    assert [r["case"] for r in rows] == [
-        "conv, avg pool, conv on 1x1",
-        "conv, relu, avg pool, conv on 1x1",
-        "timm test_resnet on 16x16",
-    ]
-    assert "| timm test_resnet on 16x16 |" in capsys.readouterr().out
-    # aot_eager on the CPU runs eager's kernels on eager's operands: any difference is a
-    # fault of the comparison itself (a second forward, another weight, another input)
-    for r in rows:
-        assert r["output_error"] == r["gradient_error"] == 0.0, r
-        assert r["gradient_norm_ratio"] == 1.0
-
-
 def test_profile_refresh_smoke(bench, tmp_path):
     from torch import nn
 
@@ -724,7 +643,7 @@ def test_profile_refresh_smoke(bench, tmp_path):
     from hf_triaccel.curvature.layer import LayerFactors
 
     taken, flush = LayerFactors.take_activation, StatisticsBatch.flush
-    payload = _run(bench, "profile_refresh", tmp_path, "--trace")
+    payload = _run(bench, "refresh", tmp_path, "--trace", record="refresh_resnet18_cifar")
     # the labels are gone after profiling
     assert LayerFactors.take_activation is taken and StatisticsBatch.flush is flush
     results = payload["results"]
@@ -748,102 +667,82 @@ def test_profile_refresh_smoke(bench, tmp_path):
         results["AdaFisherW, refresh every step"]["aten_ops"]
         > results["AdaFisherW, no refresh"]["aten_ops"]
     )
-    table = (tmp_path / "profile_refresh.md").read_text()
+    table = (tmp_path / "refresh_resnet18_cifar.md").read_text()
     assert "What a refresh adds" in table and "|   a: ConvRule |" in table
-    assert (tmp_path / "profile_refresh_resnet18_cifar.trace.json").stat().st_size > 0
+    assert (tmp_path / "refresh_resnet18_cifar.trace.json").stat().st_size > 0
 
 
-def test_profile_trainer_smoke(bench, tmp_path):
-    labelled = bench("profile_trainer").LABELLED
-    before = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in labelled]
-    steps = 3
-    payload = _run(bench, "profile_trainer", tmp_path, "--steps", str(steps))
-    # the labels are gone after profiling: what was defined is back, what was inherited is
-    # inherited again
-    assert all(owner.__dict__.get(attr) is method for owner, attr, method in before)
-    results = payload["results"]
-    assert list(results) == list(bench("profile_trainer").VARIANTS)
-    loop, trainer = results["loop_adamw_fused"], results["trainer_adamw_fused"]
-    # both runners: one backward, clipping, optimizer step and scheduler step a step
-    for result in (loop, trainer):
-        for label in ("backward", "clip_grad_norm", "optimizer step", "scheduler"):
-            assert result["ranges"][label][0] == 1, label
-        assert result["wall_ms"] > 0 and result["aten_ops"] > 0
-    # what only the Trainer does
-    assert not set(loop["ranges"]) & {"training_step", "get_batch_samples", "callbacks"}
-    assert trainer["ranges"]["training_step"][0] == trainer["ranges"]["compute_loss"][0] == 1
-    assert trainer["ranges"]["callbacks"][0] >= 2  # at least on_step_begin and on_step_end
-    table = (tmp_path / "profile_trainer.md").read_text()
-    assert "What the Trainer adds" in table and "| get_batch_samples |" in table
+@pytest.mark.parametrize("which", ["fast", "refresh", "long"])
+@pytest.mark.parametrize("smoke", [False, True])
+def test_suite_stages_are_valid_commands(tmp_path, which, smoke):
+    """Every stage a suite plans, full size or smoke, is a command line its measurement
+    accepts (the long suite's recipe runs are the recipe's own command)."""
+    suite = importlib.import_module("benchmarks.suite")
+    args = parser().parse_args(["suite", which, "--data", "embedded"] + ["--smoke"] * smoke)
+    planned = suite.stages(args, tmp_path)
+    assert len({name for name, _, _ in planned}) == len(planned)
+    assert sum(limit for _, limit, _ in planned) <= 600  # one call of the GPU machine
+    for name, _, command in planned:
+        if command[1:3] == ["-m", "benchmarks"]:
+            parsed = parser().parse_args(command[3:])
+            assert parsed.smoke == smoke, name
+        else:
+            assert "recipes/train.py" in command and name.startswith("recipe")
+    if which == "long":  # the loop clips as the recipe's Trainer does, at its default norm
+        loop = next(command for name, _, command in planned if name == "loop")
+        clip = float(loop[loop.index("--max_grad_norm") + 1])
+        assert clip == TrainingArguments(output_dir=str(tmp_path)).max_grad_norm
 
 
-def test_bench_row_sums_smoke(bench, tmp_path):
-    payload = _run(bench, "bench_row_sums", tmp_path)
-    results = payload["results"]
-    # the package's setting and the one smoke setting, each over every recorded sum
-    assert sum(r["ours"] for r in results) == 1 and len(results) == 2
-    geometries = payload["geometries"]
-    assert geometries and all(count >= 1 for *_, count in geometries)
-    for r in results:
-        assert len(r["per_sum_ms"]) == len(geometries)
-        assert r["bytes"] == sum(
-            rows * cols * getattr(torch, dtype).itemsize * count
-            for rows, cols, _, dtype, _, count in geometries
-        )
-
-
-def test_bench_row_sums_grouped_smoke(bench, tmp_path):
-    payload = _run(bench, "bench_row_sums", tmp_path, "--grouped", record="bench_row_sums_grouped")
-    results = payload["results"]
-    # the grouped kernel's setting and the one smoke setting, each over the step's launches
-    # (every sum checked against float64 inside the run)
-    assert sum(r["ours"] for r in results) == 1 and len(results) == 2
-    assert payload["launches"] >= 1 and payload["sums"] > payload["launches"]
-    assert all(r["total_ms"] > 0 and r["bytes"] == results[0]["bytes"] > 0 for r in results)
-
-
-def _rounds(results: Path, rounds: int) -> str:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "trainer_rounds.py"), "--smoke", "--parts"]
-        + ["loop,trainer", "--rounds", str(rounds), "--results", str(results)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
-
-
-def test_trainer_rounds_resume_and_alternate(tmp_path):
-    """A second call runs only the rounds the first left, its parts in the other order."""
-    results = tmp_path / "rounds.jsonl"
-    _rounds(results, 1)
-    out = _rounds(results, 2)
-    runs = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [(r["round"], r["part"]) for r in runs] == [
-        (1, "loop"),
-        (1, "trainer"),
-        (2, "trainer"),
-        (2, "loop"),
+def test_suite_runs_its_stages_in_turn_each_under_its_limit(tmp_path, monkeypatch):
+    """Each stage in turn, its output in its log, its exit status (a stage past its limit:
+    ``timeout``) and tables in the summary; the exit status counts the failed stages."""
+    suite = importlib.import_module("benchmarks.suite")
+    write = "import pathlib, sys; d = pathlib.Path(sys.argv[1]); d.mkdir(); "
+    write += "(d / 't.md').write_text('| a |'); print('ran')"
+    planned = [
+        ("first", 60, [sys.executable, "-c", write, str(tmp_path / "first")]),
+        ("stuck", 1, [sys.executable, "-c", "import time; time.sleep(30)"]),
+        ("failing", 60, [sys.executable, "-c", "raise SystemExit(3)"]),
     ]
-    assert all(r["exit"] == 0 and r["figures"]["samples_per_second"] > 0 for r in runs)
-    assert "| trainer / loop |" in out
+    monkeypatch.setattr(suite, "stages", lambda args, out: planned)
+    assert main(["suite", "fast", "--data", "embedded", "--out", str(tmp_path)]) == 2
+    text = (tmp_path / "suite_fast.md").read_text()
+    assert "exit 0 after" in text and "exit timeout after" in text and "exit 3 after" in text
+    assert text.index("## first") < text.index("| a |") < text.index("## stuck")
+    assert (tmp_path / "first.log").read_text() == "ran\n"
+    assert "2 stage(s) failed" in text
+    with pytest.raises(SystemExit, match="--stages"):
+        main(["suite", "fast", "--stages", "nothing", "--out", str(tmp_path)])
 
 
-def test_trainer_rounds_pair_each_rounds_runs(bench):
-    rounds = bench("trainer_rounds")
-    recipe = {"samples_per_second": 90.0, "steady_samples_per_second": 100.0, "accuracy": 0.9}
-    compiled = {"samples_per_second": 150.0, "steady_samples_per_second": 210.0, "accuracy": 0.895}
-    runs = [
-        {"round": 1, "part": "recipe", "figures": recipe},
-        {"round": 1, "part": "loop", "figures": {"samples_per_second": 100.0}},
-        {"round": 1, "part": "compiled", "figures": compiled},
-        {"round": 2, "part": "recipe", "figures": {**recipe, "samples_per_second": 80.0}},
-        {"round": 2, "part": "loop", "figures": None},  # failed: its round has no pair
-        {"round": 2, "part": "trainer", "figures": {"vs_loop": 1.02}},
-    ]
-    got = rounds.ratios(runs)
-    assert got["recipe / loop"] == [0.9]
-    assert got["compiled / recipe, steady"] == [2.1]
-    assert got["compiled - recipe, accuracy points"] == pytest.approx([-0.5])
-    assert got["trainer / loop"] == [1.02]
+def test_suite_long_acceptance_checks_from_the_records(tmp_path):
+    """The long suite's figures from its stages' records: the recipe against the loop,
+    compiled against eager, the elastic batch against its fixed micro-batch."""
+    suite = importlib.import_module("benchmarks.suite")
+    (tmp_path / "loop").mkdir()
+    loop = {"steps": 30, "batch_size": 512, "train_seconds": 20.0, "images_per_second": 900.0}
+    loop.update(eval_seconds=1.0, test_accuracy=0.9)
+    (tmp_path / "loop" / "cifar.json").write_text(json.dumps(loop))
+    (tmp_path / "elastic").mkdir()
+    elastic = {"trainers": [{"mode": "elastic_batch", "vs_fixed": 0.97}]}
+    (tmp_path / "elastic" / "elastic.json").write_text(json.dumps(elastic))
+    for name, steady, accuracy in (("recipe", 900.0, 0.9), ("recipe_compile", 1200.0, 0.897)):
+        (tmp_path / name).mkdir()
+        results = {"train_runtime_s": 12.0, "eval_runtime_s": 2.0, "optimizer_steps": 30}
+        results.update(settings={"total_batch_size": 512}, eval_accuracy=accuracy)
+        results["steady_samples_per_second"] = steady
+        (tmp_path / name / "results.json").write_text(json.dumps(results))
+    payload, text = suite.acceptance(tmp_path)
+    checks = {c["check"]: c for c in payload["checks"]}
+    # the recipe trained 30 x 512 samples in 12 - 2 s; the loop 30 x 512 in 20 s
+    assert checks["recipe / loop, training samples/s"]["value"] == pytest.approx(2.0)
+    assert checks["compiled / eager recipe, steady samples/s"]["value"] == pytest.approx(4 / 3)
+    assert checks["compiled - eager accuracy, points"]["value"] == pytest.approx(0.3)
+    assert checks["elastic / fixed micro-batch, samples/s"]["value"] == 0.97
+    assert all(c["met"] for name, c in checks.items() if "points" not in name)
+    assert "| check | measured | target | met |" in text and "no records" in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    payload, _ = suite.acceptance(empty)  # a stage that left nothing fails its checks
+    assert not any(c["met"] for c in payload["checks"]) and payload["runs"]["loop"] is None

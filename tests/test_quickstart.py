@@ -112,9 +112,10 @@ def test_a_dataset_that_is_not_there_fails_before_training(tmp_path, monkeypatch
 
 def test_the_cpu_plan_takes_the_best_of_its_grid_inside_it():
     """Each compared optimizer's CPU learning rate is the most accurate of the committed
-    grid (benchmarks/quickstart_grid.py) at the plan's steps and weight decay, and
-    AdaFisher's at the default factor seed (runs recorded without one started from ones),
-    with a less accurate learning rate measured on both sides."""
+    grid (docs/benchmarks_history.md, "The main job's CPU learning rates") at the plan's
+    steps and weight decay, and AdaFisher's at the default factor seed (runs recorded
+    without one started from ones), with a less accurate learning rate measured on both
+    sides."""
     path = Path(__file__).resolve().parents[1] / "benchmarks/results/quickstart_cpu.jsonl"
     runs = [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -1,4 +1,4 @@
-"""benchmarks/train_cifar.py with ``--precision``: short smoke runs (a narrow model of the
+"""``python -m benchmarks cifar`` with ``--precision``: short smoke runs (a narrow model of the
 same structure, random images, CPU).
 
 They check the record fields and the precision map, not accuracy or speed.
@@ -6,35 +6,33 @@ They check the record fields and the precision map, not accuracy or speed.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from benchmarks import cifar
+
 # resnet18_cifar: 20 BatchNorm layers (fp32 from the start), 20 convolutions and the head
 NORMS, RANKED = 20, 21
 
 
 @pytest.fixture
-def train_cifar(monkeypatch):
-    """The script's module, imported the way ``python benchmarks/train_cifar.py`` would."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+def train_cifar():
+    """The one-training measurement's module, on one thread."""
     # tiny batches on a shared CPU: one thread is faster than waking a pool
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield importlib.import_module("train_cifar")
+    yield cifar
     torch.set_num_threads(threads)
 
 
 def run(module, tmp_path: Path, *flags: str) -> dict:
     out = tmp_path / "record.json"
     argv = ["--smoke", "--batch_size", "8", "--out", str(out), *flags]
-    record = module.main(argv)
-    assert json.loads(out.read_text()) == record
-    return record
+    assert module.run(module.parse_args(argv)) == 0
+    return json.loads(out.read_text())
 
 
 def test_adaptive_run_records_the_precision_map(train_cifar, tmp_path):

@@ -51,9 +51,9 @@ from hf_triaccel.kernels.stats import (
 
 # The grouped kernel's settings, its own (it compiles both loops, sums and sums of
 # squares, and reads its tables): the fastest on the grouped launches of a CIFAR
-# ResNet-18's and EfficientNet-B0's refresh on an H200 (benchmarks/bench_row_sums.py
-# --grouped), where the single kernel's larger tile ran at half their speed. A plan is cut
-# with the settings of when it was made (forget_plans).
+# ResNet-18's and EfficientNet-B0's refresh on an H200 (docs/benchmarks_history.md,
+# "The row sums' settings"), where the single kernel's larger tile ran at half their
+# speed. A plan is cut with the settings of when it was made (forget_plans).
 TILE = 4096
 NUM_WARPS = 8
 PROGRAMS_PER_SM = 2

@@ -39,7 +39,7 @@ from hf_triaccel._types import (
     check_statistic_out,
 )
 
-# The row sums' settings, picked on an H200 by benchmarks/bench_row_sums.py over the row
+# The row sums' settings, picked on an H200 by a sweep over the row
 # sums of a CIFAR ResNet-18's and EfficientNet-B0's refresh (bf16, 4 to 98K columns, 512
 # to 524K rows): elements in one loaded tile (128 per thread: many loads in flight from
 # few programs), warps per program, and programs a split launch aims for per
@@ -505,8 +505,8 @@ def rows_launch(
     """Column sums of an (n, d) input with unit column stride and row stride
     ``stride_row``; n, d >= 1. ``tile`` (elements a program loads per iteration),
     ``num_warps`` and ``programs_per_sm`` (the programs a split launch aims for) are the
-    statistics' settings unless a tuning run (``benchmarks/bench_row_sums.py``) asks for
-    others."""
+    statistics' settings unless a tuning run (docs/benchmarks_history.md, "The row sums'
+    settings") asks for others."""
     block_n, block_d, col_blocks, rows_per_split, splits = rows_geometry(
         n, d, device, tile, programs_per_sm
     )

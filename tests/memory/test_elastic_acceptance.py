@@ -1,6 +1,6 @@
 """The elastic batch's acceptance, on a fake device (CPU).
 
-The run of ``benchmarks/bench_elastic.py`` (whose GPU figures BENCHMARKS.md reports), with
+The run of ``python -m benchmarks elastic`` (whose GPU figures BENCHMARKS.md reports), with
 a fake device in place of a CUDA budget: the controller with its default settings sizes
 the micro-batch; then a tensor of this process takes half the budget not allocated for
 ``2 x check_every`` steps, and is freed. Accepted when the size settles within 3 steps

@@ -4,7 +4,6 @@ quickstart's GPU plan and the benchmarks' defaults are those values."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -12,6 +11,8 @@ import pytest
 import recipe_config
 from torch import nn
 
+from benchmarks import harness
+from benchmarks.__main__ import main
 from hf_triaccel import FisherCollector, quickstart
 from hf_triaccel.optim.config import AdaFisherConfig
 
@@ -24,12 +25,11 @@ def chosen() -> dict:
     return json.loads((RESULTS / "chosen.json").read_text())
 
 
-def test_the_chosen_values_regenerate_from_the_committed_runs(monkeypatch, tmp_path, chosen):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    tta = importlib.import_module("time_to_accuracy")
+def test_the_chosen_values_regenerate_from_the_committed_runs(tmp_path, chosen):
     out = tmp_path / "chosen.json"
     runs, times = RESULTS / "equal_epochs.jsonl", RESULTS / "epoch_seconds.jsonl"
-    assert tta.main(["--summarise", str(runs), "--times", str(times), "--chosen", str(out)]) == 0
+    command = ["time-to-accuracy", "--summarise", str(runs), "--times", str(times)]
+    assert main([*command, "--chosen", str(out)]) == 0
     assert json.loads(out.read_text()) == chosen
 
 
@@ -56,13 +56,11 @@ def test_the_recipes_train_with_the_chosen_settings(chosen, recipe):
     assert arguments.baseline_weight_decay == expected["baseline_weight_decay"]
 
 
-def test_the_quickstart_gpu_plan_and_the_benchmarks_use_the_chosen_values(monkeypatch, chosen):
+def test_the_quickstart_gpu_plan_and_the_benchmarks_use_the_chosen_values(chosen):
     arms = chosen["arms"]["cifar10"]
     plan = quickstart.GPU_PLAN
     comparison = {"model": "resnet18_cifar", "epochs": plan.epochs, "batch_size": plan.batch_size}
     assert comparison == chosen["comparison"]
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    harness = importlib.import_module("harness")
     for arm, optimizer in ((chosen["rule"], "adafisher"), ("adamw", "adamw"), ("sgd", "sgd")):
         values = (arms[arm]["lr"], arms[arm]["weight_decay"])
         assert harness.HYPERPARAMETERS[optimizer] == values
