@@ -720,8 +720,8 @@ def test_compiled_gradients_smoke(bench, capsys):
 def test_profile_refresh_smoke(bench, tmp_path):
     from torch import nn
 
-    from hf_triaccel.curvature.batching import StatisticsBatch
-    from hf_triaccel.curvature.layer import LayerFactors
+    from hf_triaccel.curvature.rules.batching import StatisticsBatch
+    from hf_triaccel.curvature.collection.layer import LayerFactors
 
     taken, flush = LayerFactors.take_activation, StatisticsBatch.flush
     payload = _run(bench, "profile_refresh", tmp_path, "--trace")

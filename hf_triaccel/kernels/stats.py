@@ -792,7 +792,7 @@ def fold_triton(table: torch.Tensor, mode: str, gamma: float, normalise: str = "
     """Folds every factor of ``table`` (see :func:`fold_table`) in one launch: each new
     statistic into its running factor, refreshing the factor the update uses.
 
-    Same result as :func:`hf_triaccel.curvature.fold.fold_reference` applied to every
+    Same result as :func:`hf_triaccel.curvature.collection.fold.fold_reference` applied to every
     factor; a factor's used tensor may be its ema itself.
 
     Args:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_triaccel.curvature.batching import (
+from hf_triaccel.curvature.rules.batching import (
     RefreshBatches,
     StatisticsBatch,
     activate,

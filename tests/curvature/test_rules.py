@@ -18,7 +18,7 @@ from torch import nn
 
 from hf_triaccel._types import ParamFactors
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.finish import Mean
+from hf_triaccel.curvature.rules.finish import Mean
 from hf_triaccel.curvature.rules import (
     ChannelNormRule,
     ConvRule,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_triaccel.curvature.fold import FactorFold, fold_factors, fold_reference
-from hf_triaccel.curvature.reductions import (
+from hf_triaccel.curvature.collection.fold import FactorFold, fold_factors, fold_reference
+from hf_triaccel.curvature.rules.reductions import (
     channel_sum,
     channel_sum_reference,
     sum_rows,

@@ -10,7 +10,7 @@ to (``accumulate``), a caller's float32 buffer (``out``). The Triton versions do
 inside the kernel, so that a statistic hook accumulating into a preallocated buffer,
 through a :func:`reducer` worked out once for its input's layout, costs one launch and
 nothing else. (What is not linear in the samples, such as the square of a sum, waits for
-the step's sums: :mod:`hf_triaccel.curvature.finish`.)
+the step's sums: :mod:`hf_triaccel.curvature.rules.finish`.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from hf_triaccel._types import check_statistic_out
-from hf_triaccel.curvature.batching import queue_or_launch
+from hf_triaccel.curvature.rules.batching import queue_or_launch
 from hf_triaccel.dispatch import resolve_impl
 
 Reduction = Callable[..., torch.Tensor]
@@ -117,7 +117,7 @@ def reducer(
     last. With Triton, whenever a kernel reads the view in place, that is one kernel
     launch (:class:`~hf_triaccel.kernels.stats.ReductionLaunch`) and no other
     operation, queued while a statistics batch is active when it sums rows
-    (:mod:`~hf_triaccel.curvature.batching`); otherwise the view is copied first.
+    (:mod:`~hf_triaccel.curvature.rules.batching`); otherwise the view is copied first.
 
     Example:
         >>> x = torch.ones(2, 3, 4)
@@ -136,7 +136,7 @@ def reducer(
             launch = reduction_launch(v, square, tail)
             if launch is not None:
                 # reads each input where it is; a row sum can wait in the active batch
-                # (hf_triaccel.curvature.batching), which launches the others at once
+                # (hf_triaccel.curvature.rules.batching), which launches the others at once
                 return functools.partial(queue_or_launch, launch)
         launch = reduction_launch(v.contiguous(), square, tail)
 
