@@ -43,7 +43,7 @@ import bench_train_step as bench
 import harness
 import torch
 
-from hf_triaccel.kernels import grouped, stats
+from hf_triaccel.kernels import grouped, reductions
 
 OPTIONS = {
     "batch_size": (int, 4, None, "batch (default by --model)"),
@@ -69,17 +69,15 @@ def record_step(args: Any) -> tuple[Counter, list[list[tuple]]]:
     args.warmup = 1
     model = bench.build(row, args)
     opt, step = bench.prepare(row, model, args)
-    # the general path, whose launches a replayed step repeats as they were grouped
-    opt.collector.steady.enabled = False
     seen: Counter = Counter()
     groups: list[list[tuple]] = []
 
-    def note(launch: stats.ReductionLaunch, x: torch.Tensor) -> None:
+    def note(launch: reductions.ReductionLaunch, x: torch.Tensor) -> None:
         if launch.rows is not None:
             n_rows, n_cols, stride_row, square, _ = launch.rows
             seen[(n_rows, n_cols, stride_row, str(x.dtype).split(".")[-1], square)] += 1
 
-    single, together = stats.ReductionLaunch.__call__, grouped.launch_grouped
+    single, together = reductions.ReductionLaunch.__call__, grouped.launch_grouped
 
     def called(self, x, out, scale=1.0, accumulate=False):
         note(self, x)
@@ -91,12 +89,12 @@ def record_step(args: Any) -> tuple[Counter, list[list[tuple]]]:
         groups.append(list(entries))
         return together(key, entries)
 
-    stats.ReductionLaunch.__call__, grouped.launch_grouped = called, grouped_called
+    reductions.ReductionLaunch.__call__, grouped.launch_grouped = called, grouped_called
     try:
         step()
         harness.synchronize(args.device)
     finally:
-        stats.ReductionLaunch.__call__, grouped.launch_grouped = single, together
+        reductions.ReductionLaunch.__call__, grouped.launch_grouped = single, together
     opt.collector.remove()
     return seen, groups
 
@@ -149,7 +147,7 @@ def measure(geometry: tuple, inputs: list, setting: tuple[int, int, int], args: 
     n_rows, n_cols, stride_row, _, square = geometry
     tile, warps, programs = setting
     out = torch.zeros(n_cols, device=args.device)
-    launch = stats.rows_launch(
+    launch = reductions.rows_launch(
         n_rows, n_cols, stride_row, args.device, square,
         tile=tile, num_warps=warps, programs_per_sm=programs,
     )  # fmt: skip
@@ -165,7 +163,7 @@ def measure(geometry: tuple, inputs: list, setting: tuple[int, int, int], args: 
     return timed_ms(launches, args.device, args.repeats) / count
 
 
-def rows_view(launch: stats.ReductionLaunch, x: torch.Tensor) -> torch.Tensor:
+def rows_view(launch: reductions.ReductionLaunch, x: torch.Tensor) -> torch.Tensor:
     """The (rows, columns) view of ``x`` that the row sum ``launch`` reads (a queued sum
     holds its input as the layer gave it)."""
     n_rows, n_cols, stride_row, _, _ = launch.rows
@@ -275,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     geometries, groups = record_step(args)
     if args.grouped:
         return grouped_sweep(groups, args)
-    ours = (stats.TILE, stats.NUM_WARPS, stats.PROGRAMS_PER_SM)
+    ours = (reductions.TILE, reductions.NUM_WARPS, reductions.PROGRAMS_PER_SM)
     inputs = {g: random_inputs(g, args.device) for g in geometries}
     total_bytes = sum(xs[0].nbytes * geometries[g] for g, xs in inputs.items())  # bytes read
     results: list[dict] = []

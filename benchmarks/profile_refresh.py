@@ -38,9 +38,9 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from hf_triaccel import AdaFisherW
-from hf_triaccel.curvature.rules.batching import StatisticsBatch
-from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.collection.layer import LayerFactors
+from hf_triaccel.curvature.collector import FisherCollector
+from hf_triaccel.curvature.rules.batching import StatisticsBatch
 
 OPTIONS = {
     "batch_size": bench.OPTIONS["batch_size"],

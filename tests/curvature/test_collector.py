@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_triaccel import AdaFisherW
-from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.collection.fold import minmax_normalise
+from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.rules import (
     FisherRule,
     LinearRule,

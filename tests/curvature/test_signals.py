@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.signals.noise import noise_probes
 from hf_triaccel.curvature.rules import (
     FactorLayout,
     FisherRule,
@@ -21,6 +20,7 @@ from hf_triaccel.curvature.rules import (
     register_fisher_rule,
 )
 from hf_triaccel.curvature.signals import SignalTracker
+from hf_triaccel.curvature.signals.noise import noise_probes
 from hf_triaccel.curvature.signals.terms import FactorTerm, kronecker_term, top_share
 from hf_triaccel.optim.functional import preconditioner
 

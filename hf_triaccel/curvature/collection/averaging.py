@@ -21,10 +21,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from hf_triaccel.curvature.rules.finish import FinishPlan
 from hf_triaccel.curvature.collection.fold import FactorFold
-from hf_triaccel.curvature.collection.layer import LayerFactors
 from hf_triaccel.curvature.collection.graphs import Replay
+from hf_triaccel.curvature.collection.layer import LayerFactors
+from hf_triaccel.curvature.rules.finish import FinishPlan
 
 # Sets of ready layers whose folds are kept: all layers, usually; a model whose layers
 # take turns (a mixture of experts) must not pile up folds.

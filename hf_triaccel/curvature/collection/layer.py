@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hf_triaccel._types import FactorLayout
-from hf_triaccel.curvature.rules.finish import Finish, FinishPlan
 from hf_triaccel.curvature.rules import FisherRule
+from hf_triaccel.curvature.rules.finish import Finish, FinishPlan
 
 
 class PendingStatistic:

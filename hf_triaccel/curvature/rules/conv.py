@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_triaccel.curvature.rules.base import FisherRule, out_in_layout, per_entry_layout
 from hf_triaccel.curvature.rules.batching import gather_or_mm, then
 from hf_triaccel.curvature.rules.finish import Mean
-from hf_triaccel.curvature.rules.reductions import Reducer, reducer
-from hf_triaccel.curvature.rules.base import FisherRule, out_in_layout, per_entry_layout
 from hf_triaccel.curvature.rules.plans import RowsPlan, ViewOf, as_view, channel_reduce, remember
+from hf_triaccel.curvature.rules.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.thirdparty import pads_same_dynamically
 from hf_triaccel.dispatch import resolve_impl
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_triaccel.curvature.rules.batching import then
 from hf_triaccel.curvature.rules.base import FisherRule, in_out_layout
+from hf_triaccel.curvature.rules.batching import then
 from hf_triaccel.curvature.rules.plans import as_view, remember, sum_square_rows
 
 

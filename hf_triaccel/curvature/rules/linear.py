@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from hf_triaccel.curvature.rules.finish import Mean
 from hf_triaccel.curvature.rules.base import (
     FisherRule,
     in_out_layout,
     out_in_layout,
     per_entry_layout,
 )
+from hf_triaccel.curvature.rules.finish import Mean
 from hf_triaccel.curvature.rules.plans import sum_square_rows
 
 

@@ -14,10 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_triaccel.curvature.rules.base import FisherRule, per_entry_layout
 from hf_triaccel.curvature.rules.batching import then
 from hf_triaccel.curvature.rules.finish import NormActivation, SquareMean, inverse
-from hf_triaccel.curvature.rules.reductions import Reducer, reducer
-from hf_triaccel.curvature.rules.base import FisherRule, per_entry_layout
 from hf_triaccel.curvature.rules.plans import (
     RowsPlan,
     ViewOf,
@@ -25,6 +24,7 @@ from hf_triaccel.curvature.rules.plans import (
     channel_reduce,
     remember,
 )
+from hf_triaccel.curvature.rules.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.thirdparty import declared_channels_first, norm_output_module
 
 # Per-position sums kept for the ``a`` of a layer that normalises trailing dims: one per

@@ -2,7 +2,7 @@
 
 Each function takes activations or output gradients in any float dtype and returns
 float32 sums. The reference versions here are plain PyTorch; the Triton versions
-(``hf_triaccel.kernels.stats``) read the native dtype once and accumulate in float32.
+(``hf_triaccel.kernels.reductions``) read the native dtype once and accumulate in float32.
 Both are selected through :func:`hf_triaccel.dispatch.resolve_impl`.
 
 Both take the same epilogue: the sums may be scaled (``scale``) and written into, or added
@@ -91,7 +91,7 @@ def reductions_for(impl: str | None, device: torch.device) -> tuple[Reduction, R
         tensor([1., 1., 1.])
     """
     if resolve_impl(impl, device) == "triton":
-        from hf_triaccel.kernels.stats import channel_sum_triton, sum_rows_triton
+        from hf_triaccel.kernels.reductions import channel_sum_triton, sum_rows_triton
 
         return sum_rows_triton, channel_sum_triton
     return sum_rows_reference, channel_sum_reference
@@ -115,7 +115,7 @@ def reducer(
     scaled sums into the first entries of the float32 buffer ``out`` (or adds them) and,
     with ``tail=(length, value)``, ``length`` more entries after them: zeros, ``value``
     last. With Triton, whenever a kernel reads the view in place, that is one kernel
-    launch (:class:`~hf_triaccel.kernels.stats.ReductionLaunch`) and no other
+    launch (:class:`~hf_triaccel.kernels.reductions.ReductionLaunch`) and no other
     operation, queued while a statistics batch is active when it sums rows
     (:mod:`~hf_triaccel.curvature.rules.batching`); otherwise the view is copied first.
 
@@ -130,7 +130,7 @@ def reducer(
     shape = v.shape
     n = shape[1] if len(shape) > 1 else 1
     if resolve_impl(impl, example.device) == "triton" and example.numel():
-        from hf_triaccel.kernels.stats import reduction_launch
+        from hf_triaccel.kernels.reductions import reduction_launch
 
         if v.data_ptr() == example.data_ptr():  # a view, not a copy
             launch = reduction_launch(v, square, tail)

@@ -40,10 +40,10 @@ import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.collection.layer import LayerFactors
-from hf_triaccel.curvature.signals.noise import noise_probes, noise_ratio, update_probes
 from hf_triaccel.curvature.collection.sharding import is_sharded
+from hf_triaccel.curvature.collector import FisherCollector
+from hf_triaccel.curvature.signals.noise import noise_probes, noise_ratio, update_probes
 from hf_triaccel.curvature.signals.terms import factor_terms, mean_entry, top_shares
 
 Listener = Callable[[int, "dict[str, ModuleSignals] | None"], None]
