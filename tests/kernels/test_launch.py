@@ -113,13 +113,16 @@ def test_direct_launches_are_off_under_the_interpreter_and_off_cuda():
 
 @pytest.fixture
 def forced_fallback(monkeypatch):
-    """Every caller told that direct launches work, and failing the test if it launches
-    directly: the launches' results (None under the interpreter) carry no compiled
-    kernel, so each caller must keep to the public launch."""
+    """Every caller told that direct launches work, with compiled kernels that lack an
+    attribute the direct launch reads (a later release's; under the interpreter there is
+    no compiled kernel at all), and failing the test if it launches directly: each caller
+    must keep to the public launch."""
 
     def direct(*args):
         raise AssertionError("launched directly without a compiled kernel")
 
+    attributes = (*launch.COMPILED_ATTRIBUTES, "an_attribute_of_a_later_release")
+    monkeypatch.setattr(launch, "COMPILED_ATTRIBUTES", attributes)
     for module in (reductions, grouped, update):
         monkeypatch.setattr(module, "direct_launch_supported", lambda device: True)
         monkeypatch.setattr(module, "launch_compiled", direct)
@@ -130,12 +133,12 @@ def forced_fallback(monkeypatch):
     update.clear_cache()
 
 
-def test_a_reduction_falls_back_to_the_public_launch(forced_fallback):
+def test_a_reduction_falls_back_to_the_public_launch(forced_fallback, device):
     g = torch.Generator().manual_seed(0)
-    x = torch.rand(300, 40, generator=g)
+    x = torch.rand(300, 40, generator=g).to(device)
     kept = reductions.reduction_launch(x, square=True)
     assert kept.template is not None  # set up for direct launches
-    out, want = torch.zeros(40), torch.zeros(40)
+    out, want = torch.zeros(40, device=device), torch.zeros(40, device=device)
     for accumulate in (False, False, True, True):
         kept(x, out, 0.5, accumulate)
         sums = (x * x).sum(0) * 0.5
@@ -144,16 +147,18 @@ def test_a_reduction_falls_back_to_the_public_launch(forced_fallback):
     assert set(kept.compiled.values()) == {None}  # nothing to launch directly
 
 
-def test_grouped_launches_fall_back_to_the_public_launch(forced_fallback):
+def test_grouped_launches_fall_back_to_the_public_launch(forced_fallback, device):
     g = torch.Generator().manual_seed(1)
     entries = []
     for n in (300, 41):
-        x = torch.rand(n, 64, generator=g)
-        entries.append((reductions.reduction_launch(x, True), x, torch.zeros(64), 0.25, False))
+        x = torch.rand(n, 64, generator=g).to(device)
+        out = torch.zeros(64, device=device)
+        entries.append((reductions.reduction_launch(x, True), x, out, 0.25, False))
     key = grouped.group_key(entries[0][0], entries[0][1])
     assert all(grouped.group_key(e[0], e[1]) == key for e in entries)
-    sums, taps = torch.rand(3, 40, generator=g), (torch.rand(40, 9, generator=g) > 0.5).float()
-    gathered = torch.zeros(3, 9)
+    sums = torch.rand(3, 40, generator=g).to(device)
+    taps = (torch.rand(40, 9, generator=g) > 0.5).float().to(device)
+    gathered = torch.zeros(3, 9, device=device)
     for _ in range(2):  # the second call launches the kept plans again
         grouped.launch_grouped(key, entries)
         grouped.launch_gathers(grouped.gather_key(taps), [(sums, taps, gathered)])
@@ -162,9 +167,15 @@ def test_grouped_launches_fall_back_to_the_public_launch(forced_fallback):
         torch.testing.assert_close(gathered, sums @ taps, rtol=RTOL, atol=0.0)
 
 
-def test_the_update_falls_back_to_the_public_launch(forced_fallback):
+def test_the_update_falls_back_to_the_public_launch(forced_fallback, device):
     run = run_both(
-        SMALL_SPECS, dtype=torch.float32, n_steps=3, lr=0.01, weight_decay=0.1, decoupled=True
+        SMALL_SPECS,
+        dtype=torch.float32,
+        n_steps=3,
+        lr=0.01,
+        weight_decay=0.1,
+        decoupled=True,
+        device=device,
     )
     assert_matches(run.params, run.ref_params, torch.float32)
     assert_matches(run.moms, run.ref_moms, torch.float32)
