@@ -165,8 +165,8 @@ def direct_launch_supported(device: torch.device) -> bool:
         return False
     checked = _CHECKED.get(device)
     if checked is None:
-        if torch.cuda.is_current_stream_capturing():
-            return False  # a probe cannot run inside a capture: asked again later
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return False  # no probe inside a trace or a capture: asked again later
         with torch.cuda.device(device):
             why = check_direct_launch(device)
         if why:
