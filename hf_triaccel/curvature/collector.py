@@ -366,6 +366,7 @@ class FisherCollector:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         model = state.pop("model")
+        state.setdefault("factor_init", "ones")  # pickled before the setting existed
         budget, generation = state.pop("budget"), state.pop("generation")
         self.__dict__.update(state)
         self.hook_state = HookState(RefreshBatches(budget), self.impl)
