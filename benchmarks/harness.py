@@ -209,11 +209,11 @@ class LaunchCounter:
     def __init__(self, stub: bool) -> None:
         from triton.runtime.jit import KernelInterface
 
-        from hf_triaccel.kernels import grouped, stats, update
+        from hf_triaccel.kernels import fold, grouped, reductions, update
 
         self.count = 0
         # the kernels only: the @triton.jit helpers they call are not launched
-        named = [(n, k) for m in (stats, update, grouped) for n, k in vars(m).items()]
+        named = [(n, k) for m in (reductions, fold, update, grouped) for n, k in vars(m).items()]
         self._patched = [
             k for n, k in named if isinstance(k, KernelInterface) and n.endswith("_kernel")
         ]

@@ -38,9 +38,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from benchmarks import harness
 from benchmarks import step as bench
 from hf_triaccel import AdaFisherW
-from hf_triaccel.curvature.batching import StatisticsBatch
+from hf_triaccel.curvature.collection.layer import LayerFactors
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.layer import LayerFactors
+from hf_triaccel.curvature.rules.batching import StatisticsBatch
 
 NAME = "refresh"
 HELP = "where a Fisher refresh's time goes: torch.profiler over the step"

@@ -225,7 +225,7 @@ def test_bench_train_step_host_smoke(bench, tmp_path):
     assert rows[True]["aten_ops"] > rows[False]["aten_ops"]
     assert rows[None]["launches"] == 0 < rows[False]["launches"] < rows[True]["launches"]
     # ... and Python work, counted per function: the statistics hooks run only then
-    hook = "hf_triaccel/curvature/hooks.py:ActivationHook.take"
+    hook = "hf_triaccel/curvature/collection/hooks.py:ActivationHook.take"
     assert rows[True]["python"][hook][1] > 0
     assert hook not in rows[False]["python"]
     total = {r: sum(v[0] for v in row["python"].values()) for r, row in rows.items()}
@@ -639,8 +639,8 @@ def test_baselines_decay_every_parameter_or_exempt_the_ones_adafisher_exempts(be
 def test_profile_refresh_smoke(bench, tmp_path):
     from torch import nn
 
-    from hf_triaccel.curvature.batching import StatisticsBatch
-    from hf_triaccel.curvature.layer import LayerFactors
+    from hf_triaccel.curvature.collection.layer import LayerFactors
+    from hf_triaccel.curvature.rules.batching import StatisticsBatch
 
     taken, flush = LayerFactors.take_activation, StatisticsBatch.flush
     payload = _run(bench, "refresh", tmp_path, "--trace", record="refresh_resnet18_cifar")

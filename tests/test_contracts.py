@@ -5,7 +5,9 @@
 - The same rule for kernels, checked again without import-linter: a kernel module imports
   torch, triton, the standard library and ``hf_triaccel._types``, nothing else.
 - No private name (leading underscore) is imported from another module.
-- No module of the library is over :data:`MAX_LINES` lines without saying why at its top.
+- No module of the library is over :data:`MAX_LINES` lines without saying why at its top
+  ("Over N lines: ..." within its first :data:`REASON_WITHIN` lines): files are cut by
+  feature, and one that stays longer says what holds it together.
 - Nothing at the top of the checkout hides an installed distribution when Python runs from
   the repository root (a ``kernels/`` folder there once hid Hugging Face's ``kernels``).
 """
@@ -16,6 +18,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +30,11 @@ PACKAGE = "hf_triaccel"
 LEAF = "hf_triaccel._types"
 # the only outside packages a kernel may import (besides the standard library)
 KERNEL_IMPORTS = {"torch", "triton"}
-MAX_LINES = 400
+MAX_LINES = 600
 # where a longer module says why: this many lines from its top
 REASON_WITHIN = 30
+# how it says why: "Over 600 lines: ..." (any count it stayed over when it was written)
+REASON = re.compile(r"\bover \d+ lines:", re.IGNORECASE)
 
 
 def listed_packages() -> list[str]:
@@ -181,16 +186,36 @@ def test_no_private_name_is_imported_from_another_module():
     assert bad == []
 
 
-def test_long_modules_say_why_at_their_top():
-    """A module over MAX_LINES lines names the limit and its reason in its first lines
-    (e.g. "Over 400 lines: ...")."""
+def unexplained_long_modules(files: dict[str, Path]) -> list[str]:
+    """The modules among ``files`` over :data:`MAX_LINES` lines that do not say why in
+    their first :data:`REASON_WITHIN` lines."""
     long = []
-    for name, path in modules().items():
+    for name, path in files.items():
         lines = path.read_text().splitlines()
         top = "\n".join(lines[:REASON_WITHIN])
-        if len(lines) > MAX_LINES and f"{MAX_LINES} lines" not in top:
+        if len(lines) > MAX_LINES and not REASON.search(top):
             long.append(f"{name}: {len(lines)} lines")
-    assert long == []
+    return long
+
+
+def test_long_modules_say_why_at_their_top():
+    """A module over MAX_LINES lines says why in its first lines (e.g. "Over 600 lines:
+    the kernel and the tables it reads are one unit")."""
+    assert unexplained_long_modules(modules()) == []
+
+
+def test_the_length_check_catches_a_long_module_that_says_nothing(tmp_path):
+    """The check above, shown to fail: a long module without its reason is named; one
+    with it, or a short one, is not."""
+    body = "x = 1\n" * MAX_LINES
+    silent = tmp_path / "silent.py"
+    silent.write_text('"""A module."""\n' + body)
+    said = tmp_path / "said.py"
+    said.write_text('"""A module.\n\nOver 600 lines: one unit."""\n' + body)
+    short = tmp_path / "short.py"
+    short.write_text('"""A module."""\n' + "x = 1\n" * (MAX_LINES - 1))
+    files = {p.stem: p for p in (silent, said, short)}
+    assert unexplained_long_modules(files) == [f"silent: {MAX_LINES + 1} lines"]
 
 
 def origins(names: list[str], cwd: Path) -> dict[str, str | None]:

@@ -5,26 +5,26 @@ statistics with removable hooks while :attr:`FisherCollector.collecting` is on, 
 over micro-batches, and folds them into the running factors once per optimizer step
 (:meth:`FisherCollector.fold`). *When* to collect is the optimizer's decision. The
 hooks are registered only while collecting: the steps between two refreshes run the model
-unhooked, at no host cost (:mod:`~hf_triaccel.curvature.hooks`).
+unhooked, at no host cost (:mod:`~hf_triaccel.curvature.collection.hooks`).
 
 Parameters are matched to their factors by identity, looked up as the modules hold them
 now (FSDP2 replaces a model's parameters with DTensors); a parameter sharded by rows
 gets the slice of its factors that its local rows read
-(:mod:`~hf_triaccel.curvature.sharding`).
+(:mod:`~hf_triaccel.curvature.collection.sharding`).
 
 A refresh step runs the hooks of every layer, so they are kept to the device work
 itself: each writes its sums into a preallocated buffer of the layer
-(:class:`~hf_triaccel.curvature.layer.LayerFactors`) through its rule, the built-in
-rules' reductions queued and launched together (:mod:`~hf_triaccel.curvature.batching`),
-and a step that repeats the one before it is replayed (:mod:`~hf_triaccel.curvature.steady`).
+(:class:`~hf_triaccel.curvature.collection.layer.LayerFactors`) through its rule, the
+built-in rules' reductions queued and launched together
+(:mod:`~hf_triaccel.curvature.rules.batching`). The hooks see the collector only through
+the narrow state they share (:class:`~hf_triaccel.curvature.collection.hooks.HookState`).
 Everything else is left to :meth:`FisherCollector.fold`, once per refresh, in batched
 operations over all layers: merging the micro-batches' sums, adding them over processes,
-the finish (:mod:`~hf_triaccel.curvature.finish`) and the loss scale.
+the finish (:mod:`~hf_triaccel.curvature.rules.finish`) and the loss scale.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from typing import Any
@@ -33,13 +33,18 @@ import torch
 from torch import nn
 
 from hf_triaccel._types import DEFAULT_FACTOR_INIT, EMA_MODES, FACTOR_INITS, ParamFactors
-from hf_triaccel.curvature.averaging import FoldPlans, fold_step, world_size
-from hf_triaccel.curvature.batching import GRADIENT_BYTES_PER_PARAMETER, RefreshBatches
-from hf_triaccel.curvature.hooks import ActivationHook, LayerHook, OutputHook
-from hf_triaccel.curvature.layer import LayerFactors
+from hf_triaccel.curvature.collection.averaging import FoldPlans, fold_step
+from hf_triaccel.curvature.collection.hooks import (
+    GRADIENT_BYTES_PER_PARAMETER,
+    ActivationHook,
+    HookState,
+    LayerHook,
+    OutputHook,
+    RefreshBatches,
+)
+from hf_triaccel.curvature.collection.layer import LayerFactors
+from hf_triaccel.curvature.collection.sharding import local_factors, local_rows
 from hf_triaccel.curvature.rules import FisherRule, rule_for
-from hf_triaccel.curvature.sharding import local_factors, local_rows
-from hf_triaccel.curvature.steady import SteadyRefresh
 
 # model -> its collector; weak, and outside the model so that copies of the model
 # (EMA or teacher copies) do not carry it
@@ -59,15 +64,15 @@ class FisherCollector:
             trainable direct parameter gets factors; a parameter shared by several
             modules (tied embeddings) is assigned to the first one in
             ``named_modules()`` order.
-        ema: ``"reference"`` or ``"paper"`` (see :mod:`hf_triaccel.curvature.fold`).
+        ema: ``"reference"`` or ``"paper"`` (see :mod:`hf_triaccel.curvature.collection.fold`).
         factor_init: what the factors start at, ``"zeros"`` (the default) or ``"ones"``
             (published; see :class:`~hf_triaccel.optim.config.AdaFisherConfig`).
         impl: implementation of the statistics (see :mod:`hf_triaccel.dispatch`).
         exclude: module names (as in ``named_modules()``) that get no factors.
 
     Attributes:
-        generation: incremented whenever factor tensors are reallocated (the model
-            moved to another device), for whoever caches their addresses.
+        hook_state: what the hooks share (the batches, the implementation, the
+            generation): all they see of the collector.
 
     A collector copies and pickles (``copy.deepcopy``, ``pickle``): copied together with
     its model (or with an optimizer holding it), the copy takes statistics on the copied
@@ -103,7 +108,6 @@ class FisherCollector:
         self.factor_init = factor_init
         self.impl = impl
         self.grad_scaler: torch.amp.GradScaler | None = None
-        self.generation = 0
         self.layers: dict[str, LayerFactors] = {}
         self._fold_plans = FoldPlans(impl)  # the folds of each set of ready layers
         unknown = set(exclude) - {n for n, _ in model.named_modules()}
@@ -116,8 +120,7 @@ class FisherCollector:
                 continue
             self._add_layer(name, module, rule, owned)
         budget = GRADIENT_BYTES_PER_PARAMETER * sum(p.numel() for p in self._params())
-        self.batches = RefreshBatches(budget)  # the statistics the hooks queue
-        self.steady = SteadyRefresh(self)  # refresh steps recorded and replayed
+        self.hook_state = HookState(RefreshBatches(budget), impl)
         self._model_ref: Any = weakref.ref(model)
         self._collecting = True
         self._attached = False
@@ -139,6 +142,17 @@ class FisherCollector:
         zeros = self.ema == "paper" or self.factor_init == "zeros"
         layer = LayerFactors.create(name, module, rule, layouts, self.ema == "paper", zeros)
         self.layers[name] = layer
+
+    @property
+    def generation(self) -> int:
+        """Incremented whenever factor tensors are reallocated (the model moved to another
+        device), for whoever caches their addresses."""
+        return self.hook_state.generation
+
+    @property
+    def batches(self) -> RefreshBatches:
+        """The batches the hooks queue the statistics into."""
+        return self.hook_state.batches
 
     @property
     def attached(self) -> bool:
@@ -198,14 +212,14 @@ class FisherCollector:
         for layer in self.layers.values():
             if layer.handles:
                 continue
-            module = layer.module
+            module, state = layer.module, self.hook_state
             if layer.output_module is module:
-                hook = LayerHook(self, layer)
+                hook = LayerHook(state, layer)
                 layer.handles.append(module.register_forward_hook(hook, with_kwargs=True))
                 continue
             layer.handles += (
-                module.register_forward_pre_hook(ActivationHook(self, layer), with_kwargs=True),
-                layer.output_module.register_forward_hook(OutputHook(self, layer)),
+                module.register_forward_pre_hook(ActivationHook(state, layer), with_kwargs=True),
+                layer.output_module.register_forward_hook(OutputHook(state, layer)),
             )
 
     def _unregister(self) -> None:
@@ -238,7 +252,7 @@ class FisherCollector:
         """
         for layer in self.layers.values():
             if layer.follow(getattr(layer.module, layer.anchor).device):
-                self.generation += 1  # whoever cached the factors' addresses
+                self.hook_state.generation += 1  # whoever cached the factors' addresses
 
     def param_factors(self) -> dict[torch.Tensor, ParamFactors]:
         """The factors of every parameter the collector covers, by identity of the
@@ -284,30 +298,21 @@ class FisherCollector:
     def fold(self, gamma: float, normalise: str = "absolute") -> None:
         """Folds the statistics accumulated since the last fold into the factors, with the
         EMA decay ``gamma`` and the normalisation ``normalise`` (both the optimizer's: see
-        :mod:`hf_triaccel.curvature.fold`).
+        :mod:`hf_triaccel.curvature.collection.fold`).
 
         Adds the sums over micro-batches and, when ``torch.distributed`` runs several
         processes, over them (one all-reduce per device of every sum and count; see
-        :mod:`~hf_triaccel.curvature.averaging`), finishes the statistics once from the
-        step's sums (:mod:`~hf_triaccel.curvature.finish`), removes a GradScaler's loss
+        :mod:`~hf_triaccel.curvature.collection.averaging`), finishes the statistics once from the
+        step's sums (:mod:`~hf_triaccel.curvature.rules.finish`), removes a GradScaler's loss
         scale from the gradient statistics, and resets the accumulators. Layers that saw
         no complete forward/backward since the last fold keep their factors.
         """
-        replayed = self.steady.before_fold()
         self.batches.flush()
-        if replayed is not None and self.grad_scaler is None and world_size() == 1:
-            # one micro-batch, counted by the replay: nothing to merge or reset
-            plans = functools.partial(self._fold_plans, generation=self.generation)
-            replayed.fold_factors(plans, self.ema, gamma, normalise)
-        else:
-            if replayed is not None:
-                replayed.add_counts()  # for the fold to sum over processes, or to scale
-            ready = [ly for ly in self.layers.values() if ly.a_count and ly.g_count]
-            if ready:
-                self._fold_ready(ready, gamma, normalise)
-            for ly in self.layers.values():
-                ly.reset()
-        self.steady.after_fold()
+        ready = [ly for ly in self.layers.values() if ly.a_count and ly.g_count]
+        if ready:
+            self._fold_ready(ready, gamma, normalise)
+        for ly in self.layers.values():
+            ly.reset()
 
     def discard(self) -> None:
         """Forgets the statistics gathered since the last fold, queued or taken (a failed
@@ -322,7 +327,6 @@ class FisherCollector:
             0
         """
         self.batches.clear()
-        self.steady.abandon()
         for ly in self.layers.values():
             ly.reset()
 
@@ -353,20 +357,21 @@ class FisherCollector:
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the folds (they hold this collector's addresses), with the model,
         so that a copy hooks the copy of the model."""
-        skip = ("_fold_plans", "_model_ref", "steady")
+        skip = ("_fold_plans", "_model_ref", "hook_state")
         state = {k: v for k, v in vars(self).items() if k not in skip}
-        state["batches"] = RefreshBatches(self.batches.gradients.budget)  # nothing queued
+        state["budget"] = self.batches.gradients.budget  # the batches: nothing queued
+        state["generation"] = self.generation
         state["model"] = self._model_ref()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         model = state.pop("model")
         state.setdefault("factor_init", "ones")  # pickled before the setting existed
-        batches = state.pop("batches", None)  # empty; None: pickled before there were any
+        budget, generation = state.pop("budget"), state.pop("generation")
         self.__dict__.update(state)
-        self.batches = RefreshBatches(0 if batches is None else batches.gradients.budget)
+        self.hook_state = HookState(RefreshBatches(budget), self.impl)
+        self.hook_state.generation = generation
         self._fold_plans = FoldPlans(self.impl)
-        self.steady = SteadyRefresh(self)  # a recording holds the original's buffers
         self._model_ref = _no_model if model is None else weakref.ref(model)
         self._unregister()  # the copied modules hold inert stand-ins of the original's hooks
         if self._attached:

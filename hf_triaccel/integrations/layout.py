@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_triaccel.curvature.sharding import is_sharded
+from hf_triaccel.curvature.collection.sharding import is_sharded
 
 _CONVOLUTIONS = (nn.Conv2d, nn.ConvTranspose2d)  # timm's and transformers' subclass these
 

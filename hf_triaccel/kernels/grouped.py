@@ -1,19 +1,14 @@
 """Many column sums in one launch: the statistics of a refresh step in a few kernels.
 
-Over 400 lines: the grouped row sums and the grouped tap gathers share their plans'
-cache, their tables' copies and their direct launch, one unit.
-
 On a step whose pace the host sets, a statistic's launch costs more host time than its
 kernel takes on the device, so the collector queues the reductions of several layers
 and launches them together (:func:`launch_grouped`): one kernel per input dtype and
 block shape reads every queued input, each with its own geometry, destination, scale,
 accumulation and tail, through device tables of data pointers. Each input is split over
-programs as its own :class:`~hf_triaccel.kernels.stats.ReductionLaunch` would split it,
+programs as its own :class:`~hf_triaccel.kernels.reductions.ReductionLaunch` would split it,
 and its partial sums are finished the same way (the program that takes an output
 block's last ticket adds the block's rows in a fixed order), so the sums are
-reproducible from run to run. :class:`GroupedSums` is one such launch kept for a
-sequence that repeats (a replayed refresh step), which reads only its new inputs'
-addresses per call.
+reproducible from run to run.
 
 The tables: the geometry of each input and the program-to-work map are worked out once
 per sequence of reductions and kept with their tickets; what changes from call to call
@@ -38,12 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_triaccel.kernels.stats import (
+from hf_triaccel.kernels.launch import compiled_kernel, direct_launch_supported, launch_compiled
+from hf_triaccel.kernels.reductions import (
     KEPT_PARTIALS,
     ReductionLaunch,
-    compiled_kernel,
-    direct_launch_supported,
-    launch_compiled,
     rows_geometry,
     slab_sums,
     write_tail,
@@ -255,7 +248,7 @@ def gathers(
 
 class _Launch:
     """One kernel's launch with fixed arguments, the compiled kernel launched directly
-    after the first time (:func:`~hf_triaccel.kernels.stats.launch_compiled`), so that a
+    after the first time (:func:`~hf_triaccel.kernels.launch.launch_compiled`), so that a
     grouped launch costs one launch's host time, not Triton's binding of its arguments.
 
     ``args`` are every argument of the kernel by name, constexprs included; a call may
@@ -402,40 +395,6 @@ def launch_grouped(
     for _, x, out, scale, accumulate in entries:
         dynamic += (x.data_ptr(), out.data_ptr(), int(accumulate), _bits(float(scale)))
     _run(_group_plan(key, [e[0] for e in entries], device), dynamic, device)
-
-
-class GroupedSums:
-    """:func:`launch_grouped` of one sequence of reductions into the same outputs, with
-    the same scales and accumulation, called again and again on new inputs: only the
-    inputs' addresses are read per call.
-
-    Args:
-        key: the group (:func:`group_key`) of every launch.
-        entries: (launch, out, scale, accumulate) per reduction; the outputs must stay
-            where they are.
-        device: where the inputs will be.
-    """
-
-    __slots__ = ("plan", "template", "device", "outs")
-
-    def __init__(
-        self,
-        key: tuple,
-        entries: Sequence[tuple[ReductionLaunch, torch.Tensor, float, bool]],
-        device: torch.device,
-    ) -> None:
-        self.plan = _group_plan(key, [e[0] for e in entries], device)
-        self.device = device
-        self.outs = [e[1] for e in entries]  # kept alive: the template holds their addresses
-        self.template: list[int] = []
-        for _, out, scale, accumulate in entries:
-            self.template += (0, out.data_ptr(), int(accumulate), _bits(float(scale)))
-
-    def __call__(self, xs: Sequence[torch.Tensor]) -> None:
-        dynamic = self.template.copy()
-        for i, x in enumerate(xs):
-            dynamic[4 * i] = x.data_ptr()
-        _run(self.plan, dynamic, self.device)
 
 
 def _group_plan(

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from hf_triaccel._types import ParamFactors
-from hf_triaccel.kernels.stats import compiled_kernel, direct_launch_supported, launch_compiled
+from hf_triaccel.kernels.launch import compiled_kernel, direct_launch_supported, launch_compiled
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The parameter dtypes the kernel updates (in float32 arithmetic, float32 momentum).

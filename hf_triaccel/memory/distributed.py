@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_triaccel.curvature.sharding import is_sharded
+from hf_triaccel.curvature.collection.sharding import is_sharded
 
 
 def agree_min(value: int, process_group: Any = None) -> int:

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from hf_triaccel.curvature.collection.sharding import local_tensor
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.sharding import local_tensor
 from hf_triaccel.dispatch import resolve_impl
 from hf_triaccel.optim.checkpoint import (
     FISHER_KEY,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from hf_triaccel.curvature.sharding import is_sharded
+from hf_triaccel.curvature.collection.sharding import is_sharded
 from hf_triaccel.optim.functional import compute_dtype
 
 FISHER_KEY = "fisher"

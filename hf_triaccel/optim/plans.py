@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from hf_triaccel._types import ParamFactors
+from hf_triaccel.curvature.collection.sharding import is_sharded, local_tensor
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.sharding import is_sharded, local_tensor
 from hf_triaccel.dispatch import resolve_impl
 from hf_triaccel.optim.functional import compute_dtype, prepare_adafisher
 

@@ -10,18 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from hf_triaccel.curvature.batching import (
-    RefreshBatches,
-    StatisticsBatch,
-    activate,
-    queue_or_launch,
-)
+from hf_triaccel.curvature.collection.hooks import RefreshBatches
 from hf_triaccel.curvature.collector import FisherCollector
+from hf_triaccel.curvature.rules.batching import StatisticsBatch, activate, queue_or_launch
 from tests.curvature.test_collector import ResidualNet, forward_backward
 
 pytest.importorskip("triton")
 grouped = pytest.importorskip("hf_triaccel.kernels.grouped")
-stats = pytest.importorskip("hf_triaccel.kernels.stats")
+reductions = pytest.importorskip("hf_triaccel.kernels.reductions")
 
 # float32 sums of positive terms added in another order: each entry's rounding differs
 # by at most a few ulps per term added (the splits' partials, then the totals)
@@ -46,7 +42,7 @@ def test_grouped_launch_matches_one_launch_per_statistic(accumulate, dtype):
     entries, expected, keys = [], [], set()
     for x, square, tail in _cases():
         x = x.to(dtype)
-        launch = stats.reduction_launch(x, square, tail)
+        launch = reductions.reduction_launch(x, square, tail)
         n = x.shape[1] + (tail[0] if tail else 0)
         out = torch.linspace(1.0, 2.0, n)
         want = out.clone()
@@ -65,18 +61,18 @@ def test_grouped_launch_matches_one_launch_per_statistic(accumulate, dtype):
             torch.testing.assert_close(out, want, rtol=RTOL, atol=1e-6)
 
 
-def test_grouped_sums_keep_the_tables_of_inputs_that_take_turns(monkeypatch):
-    """A kept grouped launch called on inputs at a few addresses in turn (a loop's
-    batches) copies each set of addresses to the device once, and sums the right inputs;
-    more sets than it keeps are copied again, and still summed right."""
+def test_grouped_launches_keep_the_tables_of_inputs_that_take_turns(monkeypatch):
+    """A grouped launch of the same reductions called on inputs at a few addresses in turn
+    (a loop's batches) copies each set of addresses to the device once, and sums the right
+    inputs; more sets than it keeps are copied again, and still summed right."""
     cases = _cases()
     entries = []
     for x, square, tail in cases:
-        launch = stats.reduction_launch(x, square, tail)
+        launch = reductions.reduction_launch(x, square, tail)
         entries.append((launch, torch.zeros(x.shape[1] + (tail[0] if tail else 0)), 1.0, False))
     keys = {grouped.group_key(e[0], x) for e, (x, _, _) in zip(entries, cases, strict=True)}
     (key,) = keys
-    sums = grouped.GroupedSums(key, entries, torch.device("cpu"))
+    grouped._group_plan(key, [e[0] for e in entries], torch.device("cpu"))  # its own tables
     copies = []
     to_device = grouped._to_device
     monkeypatch.setattr(grouped, "_to_device", lambda *a: copies.append(a[0]) or to_device(*a))
@@ -92,7 +88,8 @@ def test_grouped_sums_keep_the_tables_of_inputs_that_take_turns(monkeypatch):
         return xs
 
     def check(xs: list[torch.Tensor]) -> None:
-        sums(xs)
+        launches = [(e[0], x, e[1], e[2], e[3]) for e, x in zip(entries, xs, strict=True)]
+        grouped.launch_grouped(key, launches)
         for (launch, out, _, _), x in zip(entries, xs, strict=True):
             want = torch.zeros_like(out)
             launch(x, want, 1.0, False)
@@ -132,7 +129,7 @@ def test_grouped_gathers_match_matrix_products():
 
 def test_a_channel_reduction_is_launched_at_once():
     x = torch.randn(2, 3, 7)  # (B, C, L) with unit stride along L: the channel kernel
-    launch = stats.reduction_launch(x, True)
+    launch = reductions.reduction_launch(x, True)
     assert launch.rows is None and grouped.group_key(launch, x) is None
     batch, out = StatisticsBatch(), torch.zeros(3)
     previous = activate(batch)
@@ -146,7 +143,7 @@ def test_a_channel_reduction_is_launched_at_once():
 
 def test_a_second_reduction_into_the_same_output_flushes_the_first():
     x = torch.rand(30, 8)
-    launch = stats.reduction_launch(x, True)
+    launch = reductions.reduction_launch(x, True)
     batch, out = StatisticsBatch(), torch.zeros(8)
     previous = activate(batch)
     try:

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_triaccel import AdaFisherW
+from hf_triaccel.curvature.collection.fold import minmax_normalise
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.fold import minmax_normalise
 from hf_triaccel.curvature.rules import (
     FisherRule,
     LinearRule,
@@ -94,6 +94,26 @@ def test_statistics_only_while_collecting():
     forward_backward(model, torch.randn(4, 5))
     for layer in collector.layers.values():
         assert layer.a_count == layer.g_count == 1
+
+
+def test_hooks_hold_their_layer_and_the_shared_state_not_the_collector():
+    """No circle by attribute access: what the collector registers on the model holds
+    its layer and the state the hooks share, never the collector."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
+    collector = FisherCollector(model)
+    hooks = [
+        hook
+        for module in model.modules()
+        for hooks in (module._forward_hooks, module._forward_pre_hooks)
+        for hook in hooks.values()
+    ]
+    assert len(hooks) == 2  # a LayerHook each: both read their own output gradient
+    for hook in hooks:
+        held = [getattr(hook, name) for name in ("state", "layer", "saved")]
+        assert not any(value is collector for value in held)
+        assert hook.state is collector.hook_state
+        assert any(hook.layer is layer for layer in collector.layers.values())
+    collector.detach()
 
 
 def test_no_grad_and_inference_forward_do_not_accumulate():

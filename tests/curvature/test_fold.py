@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_triaccel.curvature.finish import FinishPlan, Mean, SquareMean
-from hf_triaccel.curvature.fold import FactorFold, fold_factors, fold_reference, minmax_normalise
+from hf_triaccel.curvature.collection.fold import (
+    FactorFold,
+    fold_factors,
+    fold_reference,
+    minmax_normalise,
+)
+from hf_triaccel.curvature.rules.finish import FinishPlan, Mean, SquareMean
 
 TINY = torch.finfo(torch.float32).tiny
 ULP = 2.0**-24  # float32's unit roundoff: the relative error of one rounding

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hf_triaccel.curvature.collection.hooks import in_checkpoint_recompute
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.hooks import in_checkpoint_recompute
 from hf_triaccel.memory import checkpoint_largest_blocks, enable_activation_checkpointing
 
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_triaccel.curvature import replay as replay_module
+from hf_triaccel.curvature.collection import graphs as replay_module
+from hf_triaccel.curvature.collection.graphs import Replay, capturable
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.replay import Replay, capturable
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

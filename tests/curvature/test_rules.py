@@ -18,7 +18,6 @@ from torch import nn
 
 from hf_triaccel._types import ParamFactors
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.finish import Mean
 from hf_triaccel.curvature.rules import (
     ChannelNormRule,
     ConvRule,
@@ -31,6 +30,7 @@ from hf_triaccel.curvature.rules import (
     register_fisher_rule,
     rule_for,
 )
+from hf_triaccel.curvature.rules.finish import Mean
 from hf_triaccel.optim.functional import preconditioner
 
 DAMPING = 1e-3

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from hf_triaccel._types import FactorLayout, ParamFactors
+from hf_triaccel.curvature.collection.sharding import local_factors, local_rows
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.sharding import local_factors, local_rows
 from hf_triaccel.optim.functional import adafisher, preconditioner
 
 

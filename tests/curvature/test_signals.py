@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.noise import noise_probes
 from hf_triaccel.curvature.rules import (
     FactorLayout,
     FisherRule,
@@ -21,7 +20,8 @@ from hf_triaccel.curvature.rules import (
     register_fisher_rule,
 )
 from hf_triaccel.curvature.signals import SignalTracker
-from hf_triaccel.curvature.terms import FactorTerm, kronecker_term, top_share
+from hf_triaccel.curvature.signals.noise import noise_probes
+from hf_triaccel.curvature.signals.terms import FactorTerm, kronecker_term, top_share
 from hf_triaccel.optim.functional import preconditioner
 
 DAMPING = 1e-3
@@ -149,7 +149,7 @@ def test_top_share_with_multiplicity_equals_repeated_entries():
 
 
 def test_top_shares_of_many_modules_match_one_at_a_time_in_any_chunking(monkeypatch):
-    from hf_triaccel.curvature import terms as term_maths
+    from hf_triaccel.curvature.signals import terms as term_maths
 
     modules = []
     for rows, cols, mult in ((3, 40, 1), (7, 2, 3), (1, 9, 1), (16, 16, 2)):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_triaccel import AdaFisherW
-from hf_triaccel.curvature.sharding import local_rows
+from hf_triaccel.curvature.collection.sharding import local_rows
 from tests.distributed.compare import assert_matches, spawns_per_world
 
 GLOBAL_BATCH = 12

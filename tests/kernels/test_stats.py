@@ -9,15 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_triaccel.curvature.fold import FactorFold, fold_factors, fold_reference
-from hf_triaccel.curvature.reductions import (
+from hf_triaccel.curvature.collection.fold import FactorFold, fold_factors, fold_reference
+from hf_triaccel.curvature.rules.reductions import (
     channel_sum,
     channel_sum_reference,
     sum_rows,
     sum_rows_reference,
 )
-from hf_triaccel.kernels import stats
-from hf_triaccel.kernels.stats import channel_sum_triton, fold_table, fold_triton, sum_rows_triton
+from hf_triaccel.kernels import reductions
+from hf_triaccel.kernels.fold import fold_table, fold_triton
+from hf_triaccel.kernels.launch import direct_launch_supported
+from hf_triaccel.kernels.reductions import channel_sum_triton, sum_rows_triton
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -82,9 +84,9 @@ def test_sum_rows_strided_layouts(square):
 
 def test_split_sums_are_added_by_the_last_program(monkeypatch):
     # 200 splits of one column block: the finishing program adds them in several tiles
-    monkeypatch.setattr(stats, "_INTERPRETED_PROGRAMS", 400)
-    x = randn(200 * (stats.TILE // 128), 100)  # 200 row blocks of one column block
-    launch = stats.reduction_launch(x, square=True)
+    monkeypatch.setattr(reductions, "_INTERPRETED_PROGRAMS", 400)
+    x = randn(200 * (reductions.TILE // 128), 100)  # 200 row blocks of one column block
+    launch = reductions.reduction_launch(x, square=True)
     assert launch.grid == (1, 200) and launch.kwargs["BLOCK_S"] < 200
     out = torch.full((100,), 7.0)
     launch(x, out, scale=0.5)
@@ -98,10 +100,10 @@ def test_split_sums_are_added_by_the_last_program(monkeypatch):
 
 @pytest.mark.parametrize("split", [False, True])
 def test_launch_writes_the_tail(monkeypatch, split):
-    monkeypatch.setattr(stats, "_INTERPRETED_PROGRAMS", 8 if split else 1)
+    monkeypatch.setattr(reductions, "_INTERPRETED_PROGRAMS", 8 if split else 1)
     x = randn(4, 3, 50)
     out = torch.full((3 + 2500,), 7.0)  # a tail longer than the tail's block, twice over
-    launch = stats.reduction_launch(x, square=False, tail=(2500, 12.0))
+    launch = reductions.reduction_launch(x, square=False, tail=(2500, 12.0))
     assert launch.kwargs["SPLIT"] == split
     launch(x, out, scale=2.0)
     torch.testing.assert_close(out[:3], 2 * channel_sum_reference(x, False))
@@ -412,7 +414,7 @@ def test_gpu_repeated_launches_match_the_reference(device):
     x = base[:n, :96]  # row stride 97: the same geometry as the shifted view
     shifted = base[1:, :96]  # starts 194 bytes in: a pointer not 16-byte aligned
     as_float = base.float()[:n, :96]
-    launch = stats.reduction_launch(x, square=True)
+    launch = reductions.reduction_launch(x, square=True)
     assert launch.kwargs["SPLIT"]
     out = torch.zeros(96, device=device)
     expected = torch.zeros(96, device=device)
@@ -423,5 +425,5 @@ def test_gpu_repeated_launches_match_the_reference(device):
         sums = sum_rows_reference(t, True, scale=0.5)
         expected = expected + sums if accumulate else sums
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=0.0)
-    if stats._direct_launch() is not None:
+    if direct_launch_supported(x.device):
         assert len(launch.compiled) == 4  # written or added, bf16 aligned or not, float32

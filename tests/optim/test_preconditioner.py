@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_triaccel._types import FactorLayout, ParamFactors
+from hf_triaccel.curvature.collection.sharding import local_factors
 from hf_triaccel.curvature.rules.base import in_out_layout, out_in_layout, per_entry_layout
-from hf_triaccel.curvature.sharding import local_factors
 from hf_triaccel.optim.functional import broadcast_preconditioner, preconditioner
 
 DAMPING = 1e-3

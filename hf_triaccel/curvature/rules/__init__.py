@@ -3,7 +3,7 @@
 A :class:`FisherRule` knows, for one kind of module, the lengths of its two factor
 vectors (``a`` from the layer input, ``g`` from the gradient of its output), how to
 write one micro-batch's sums for each into a caller's buffer and how the step's sums
-become the statistic (:mod:`~hf_triaccel.curvature.finish`), and how each of the module's
+become the statistic (:mod:`~hf_triaccel.curvature.rules.finish`), and how each of the module's
 parameters indexes the two vectors (:class:`FactorLayout`).
 
 The preconditioner entry for flat element ``k`` of a parameter is::
@@ -20,7 +20,10 @@ the layouts), one module per kind (:mod:`~hf_triaccel.curvature.rules.linear`,
 :mod:`~hf_triaccel.curvature.rules.embedding`), the per-shape plans they share
 (:mod:`~hf_triaccel.curvature.rules.plans`), the classes of other libraries they recognise
 (:mod:`~hf_triaccel.curvature.rules.thirdparty`) and the look-up
-(:mod:`~hf_triaccel.curvature.rules.registry`).
+(:mod:`~hf_triaccel.curvature.rules.registry`); beneath them, what every rule writes
+through: the reductions (:mod:`~hf_triaccel.curvature.rules.reductions`), queued and
+launched together (:mod:`~hf_triaccel.curvature.rules.batching`), and the finish of a
+step's sums (:mod:`~hf_triaccel.curvature.rules.finish`).
 
 Example:
     >>> from torch import nn

@@ -4,7 +4,7 @@ A :class:`FisherRule` gives, for one kind of module, the lengths of its two fact
 (``a`` from the layer input, ``g`` from the gradient of its output), how each of the
 module's parameters indexes them (:class:`~hf_triaccel._types.FactorLayout`), how one
 micro-batch's sums are written into a buffer the caller owns, and how the step's sums
-become the statistic (:mod:`~hf_triaccel.curvature.finish`). That is the only way
+become the statistic (:mod:`~hf_triaccel.curvature.rules.finish`). That is the only way
 statistics are taken: :func:`a_statistic` / :func:`g_statistic` call the same methods into
 new tensors, for inspection and tests.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hf_triaccel._types import FactorLayout
-from hf_triaccel.curvature.finish import Finish, FinishPlan, Mean
+from hf_triaccel.curvature.rules.finish import Finish, FinishPlan, Mean
 
 
 def out_in_layout(d_out: int, d_in: int) -> FactorLayout:
@@ -58,7 +58,7 @@ class FisherRule:
     summed: sums of several micro-batches and processes add up to those of the whole
     batch. Once per optimizer step, the finish that :meth:`a_finish` / :meth:`g_finish`
     name turns the step's sums and count into the statistic (a mean, the square of a
-    sum...; :mod:`~hf_triaccel.curvature.finish`), so that whatever is not linear in the
+    sum...; :mod:`~hf_triaccel.curvature.rules.finish`), so that whatever is not linear in the
     samples is applied once, to the whole batch.
 
     A rule for a custom module class implements :meth:`sizes`, :meth:`layouts`,
@@ -92,14 +92,6 @@ class FisherRule:
         tensor([4.])
     """
 
-    #: Whether every write of the rule goes through :mod:`~hf_triaccel.curvature.batching`
-    #: (``queue_or_launch``, ``gather_or_mm``, ``then``) when the statistics run with
-    #: Triton, reading nothing of its input but through them: then a refresh step that
-    #: repeats the one before it may be replayed from a recording of those calls
-    #: (:mod:`~hf_triaccel.curvature.steady`). A rule that writes with its own tensor
-    #: operations must leave it ``False``.
-    replayable = False
-
     def sizes(self, module: nn.Module) -> tuple[int, int]:
         """Lengths of the (a, g) factor vectors."""
         raise NotImplementedError
@@ -119,15 +111,15 @@ class FisherRule:
 
     def g_finish(self, module: nn.Module) -> Finish:
         """How the step's gradient sums become ``g`` (default: their mean); it must keep
-        the sums' length (:class:`~hf_triaccel.curvature.finish.Mean` or
-        :class:`~hf_triaccel.curvature.finish.SquareMean`)."""
+        the sums' length (:class:`~hf_triaccel.curvature.rules.finish.Mean` or
+        :class:`~hf_triaccel.curvature.rules.finish.SquareMean`)."""
         return Mean()
 
     def input_saved(self, module: nn.Module) -> bool:
         """Whether ``module``'s forward keeps its input, as given, for the backward (with
         autograd on, and unless autocast casts it): then its activation statistic may wait
         for the backward to start at no memory cost
-        (:mod:`~hf_triaccel.curvature.batching`). Asked when the collector registers its
+        (:mod:`~hf_triaccel.curvature.rules.batching`). Asked when the collector registers its
         hooks, not at every forward. Default: ``False``, taken at once."""
         return False
 
@@ -146,7 +138,7 @@ class FisherRule:
             x: its input, detached from autograd.
             out: contiguous float32 destination of the length
                 ``a_finish(module).sums_length(sizes(module)[0])``. Entries the finish
-                sets itself (a :class:`~hf_triaccel.curvature.finish.Mean`'s ``last``)
+                sets itself (a :class:`~hf_triaccel.curvature.rules.finish.Mean`'s ``last``)
                 may be left as they are.
             impl: implementation (see :mod:`hf_triaccel.dispatch`).
             cache: a dict the caller keeps for this module (and empties when the module's

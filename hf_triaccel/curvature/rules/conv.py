@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_triaccel.curvature.batching import gather_or_mm, then
-from hf_triaccel.curvature.finish import Mean
-from hf_triaccel.curvature.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.base import FisherRule, out_in_layout, per_entry_layout
+from hf_triaccel.curvature.rules.batching import gather_or_mm, then
+from hf_triaccel.curvature.rules.finish import Mean
 from hf_triaccel.curvature.rules.plans import RowsPlan, ViewOf, as_view, channel_reduce, remember
+from hf_triaccel.curvature.rules.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.thirdparty import pads_same_dynamically
 from hf_triaccel.dispatch import resolve_impl
 
@@ -246,8 +246,6 @@ class ConvRule(FisherRule):
         >>> a_statistic(ConvRule(), conv, torch.tensor([[[1.0, 2.0, 3.0]]]))  # (1+4, 4+9) / 4
         tensor([1.2500, 3.2500])
     """
-
-    replayable = True
 
     def sizes(self, module):
         d = module.in_channels // module.groups * math.prod(module.kernel_size)

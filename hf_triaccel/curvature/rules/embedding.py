@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_triaccel.curvature.batching import then
 from hf_triaccel.curvature.rules.base import FisherRule, in_out_layout
+from hf_triaccel.curvature.rules.batching import then
 from hf_triaccel.curvature.rules.plans import as_view, remember, sum_square_rows
 
 
@@ -34,8 +34,6 @@ class EmbeddingRule(FisherRule):
 
     def layouts(self, module):
         return {"weight": in_out_layout(module.num_embeddings, module.embedding_dim)}
-
-    replayable = True
 
     def a_write(self, module, x, out, impl, cache):
         key = ("a", x.shape)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from hf_triaccel.curvature.finish import Mean
 from hf_triaccel.curvature.rules.base import (
     FisherRule,
     in_out_layout,
     out_in_layout,
     per_entry_layout,
 )
+from hf_triaccel.curvature.rules.finish import Mean
 from hf_triaccel.curvature.rules.plans import sum_square_rows
 
 
@@ -25,8 +25,6 @@ class LinearRule(FisherRule):
         >>> LinearRule().sizes(nn.Linear(3, 2))  # a: 3 inputs and the bias column
         (4, 2)
     """
-
-    replayable = True
 
     def sizes(self, module):
         return module.in_features + (module.bias is not None), module.out_features

@@ -14,10 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_triaccel.curvature.batching import then
-from hf_triaccel.curvature.finish import NormActivation, SquareMean, inverse
-from hf_triaccel.curvature.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.base import FisherRule, per_entry_layout
+from hf_triaccel.curvature.rules.batching import then
+from hf_triaccel.curvature.rules.finish import NormActivation, SquareMean, inverse
 from hf_triaccel.curvature.rules.plans import (
     RowsPlan,
     ViewOf,
@@ -25,6 +24,7 @@ from hf_triaccel.curvature.rules.plans import (
     channel_reduce,
     remember,
 )
+from hf_triaccel.curvature.rules.reductions import Reducer, reducer
 from hf_triaccel.curvature.rules.thirdparty import declared_channels_first, norm_output_module
 
 # Per-position sums kept for the ``a`` of a layer that normalises trailing dims: one per
@@ -76,7 +76,7 @@ def norm_a_write(
     x: torch.Tensor, out: torch.Tensor, impl: str | None, cache: dict[Any, Any], positions: int
 ) -> float:
     """Normalisation layers' activation sums (published reference mode), finished by
-    :class:`~hf_triaccel.curvature.finish.NormActivation`.
+    :class:`~hf_triaccel.curvature.rules.finish.NormActivation`.
 
     The statistic: reduce over every dim except dim 1; u_j = sum / R^2, R the product of
     the reduced dims other than dim 0; a = [sum_j u_j^2, size of dim 1] / B^2. Squares of
@@ -150,8 +150,6 @@ class NormRule(FisherRule):
     (:func:`norm_a_write`), the finishes and where the output gradient is taken;
     subclasses give ``g``'s sums (over the batch, squared once per step: ``SquareMean``)
     and how many entries of dim 1 the ``a`` sums keep."""
-
-    replayable = True
 
     def sizes(self, module):
         return 2, affine_numel(module)

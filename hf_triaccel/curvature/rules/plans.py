@@ -3,7 +3,7 @@
 The statistics run on every hooked layer of every refresh step and are bound by host
 time, so each built-in rule keeps, in the cache the collector holds for the module, one
 plan per input shape and layout: the reduction worked out for it (with Triton, a kernel
-launch with its workspace: :func:`~hf_triaccel.curvature.reductions.reducer`), counts and
+launch with its workspace: :func:`~hf_triaccel.curvature.rules.reductions.reducer`), counts and
 scales, scratch buffers and views of the caller's buffer. A plan is the one cache of its
 statistic; once a layer has seen its input's shape and strides, a statistic costs its one
 kernel launch (two for a convolution's activations).
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hf_triaccel.curvature.reductions import Reducer, reducer
+from hf_triaccel.curvature.rules.reductions import Reducer, reducer
 
 # Input shapes a module keeps plans for: an input shape that keeps changing (multi-scale
 # images, dynamic sequence lengths) must not pile up buffers; past this the oldest goes.

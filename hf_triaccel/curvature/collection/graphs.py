@@ -1,8 +1,8 @@
 """A refresh's finish and fold, replayed as one CUDA graph.
 
 A refresh ends with the finish of every layer's statistics and their fold into the
-factors (:class:`~hf_triaccel.curvature.finish.FinishPlan`,
-:class:`~hf_triaccel.curvature.fold.FactorFold`): a dozen batched operations over every
+factors (:class:`~hf_triaccel.curvature.rules.finish.FinishPlan`,
+:class:`~hf_triaccel.curvature.collection.fold.FactorFold`): a dozen batched operations over every
 layer, whose launches cost more host time than their device work. They read and write
 tensors that stay where they are, and their arguments (the step's counts, the decay and
 the rules) rarely change, so on CUDA, once the same finish and fold has run eagerly on

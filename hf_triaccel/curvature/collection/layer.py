@@ -1,6 +1,6 @@
 """The factors of one hooked module and the statistics it gathers between two folds.
 
-Statistics are gathered as sums over samples (see :mod:`~hf_triaccel.curvature.finish`).
+Statistics are gathered as sums over samples (see :mod:`~hf_triaccel.curvature.rules.finish`).
 The activation sums of a forward wait in a *slot* until the gradient of that forward's
 output arrives (a forward that no backward follows must leave no trace); for a rule whose
 sums become the statistic in place, the first slot is the layer's ``a_stat`` itself, so
@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hf_triaccel._types import FactorLayout
-from hf_triaccel.curvature.finish import Finish, FinishPlan
 from hf_triaccel.curvature.rules import FisherRule
+from hf_triaccel.curvature.rules.finish import Finish, FinishPlan
 
 
 class PendingStatistic:

@@ -7,9 +7,17 @@ hook (:class:`GradientTake`) that confirms that slot and takes the gradient sums
 :class:`LayerHook` does both, for a layer whose own output gradient is read. The
 :class:`~hf_triaccel.curvature.collector.FisherCollector` registers them before the
 forward of a refresh step and removes them after its fold, so that ordinary steps run
-the model unhooked. A refresh step that repeats the one before it is replayed
-(:mod:`~hf_triaccel.curvature.steady`): the hooks ask the replay first, and the gradient
-hook of a forward it took is the replay's own.
+the model unhooked. A hook holds its layer and the :class:`HookState` that the
+collector's hooks share (the batches, the implementation, the generation of the
+factors' buffers), never the collector itself.
+
+The reductions the hooks write are queued in three batches (:class:`RefreshBatches`).
+The activation sums of layers whose forward keeps its input for the backward anyway
+(:meth:`~hf_triaccel.curvature.rules.FisherRule.input_saved`) wait for the backward to
+start: holding those inputs costs no memory. The gradient sums wait while the gradients
+they hold take at most :data:`GRADIENT_BYTES_PER_PARAMETER` bytes per parameter of the
+collector's layers, and at most until the backward ends. The others are launched when
+their hook ends.
 
 A copy of the model alone (an EMA or teacher copy) must not feed the collector: copied
 or pickled, a hook becomes an :class:`InertHook`, which does nothing. A collector copied
@@ -24,17 +32,85 @@ the original forward without autograd, which takes no statistic, so its recomput
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from hf_triaccel.curvature.batching import activate
-from hf_triaccel.curvature.layer import LayerFactors, PendingStatistic
+from hf_triaccel.curvature.collection.layer import LayerFactors, PendingStatistic
+from hf_triaccel.curvature.rules.batching import StatisticsBatch, activate
 
-if TYPE_CHECKING:
-    from hf_triaccel.curvature.collector import FisherCollector
+# Gradients held, per parameter of the hooked layers: half of what AdaFisher saves against
+# AdamW (one float32 state per parameter instead of two), so that the peak memory of a
+# refresh step stays under AdamW's wherever the backward's own peak falls.
+GRADIENT_BYTES_PER_PARAMETER = 2
+
+
+class RefreshBatches:
+    """A collector's three batches: activation sums, launched when the backward starts;
+    gradient sums, launched before the gradients they hold pass ``budget`` bytes, and
+    when the backward ends; and the activation sums of inputs that are not kept
+    (``now``), launched when their hook ends."""
+
+    __slots__ = ("activations", "gradients", "now", "task")
+
+    def __init__(self, budget: int = 0) -> None:
+        self.activations = StatisticsBatch()  # the inputs are alive anyway: no budget
+        self.gradients = StatisticsBatch(budget)
+        self.now = StatisticsBatch()
+        self.task = -1  # the backward (graph task) whose end will flush the gradient sums
+
+    def backward_started(self) -> None:
+        """Called by each gradient hook: flushes the activation sums and, once per
+        backward, asks the autograd engine to flush the gradient sums at its end."""
+        self.activations.flush()
+        task = torch._C._current_graph_task_id()
+        if task == self.task:
+            return
+        # a new backward (one that failed never ended)
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        self.task = task
+
+    def _backward_ended(self) -> None:
+        self.task = -1
+        self.gradients.flush()
+
+    def gradient_taken(self) -> None:
+        """Called after a gradient hook queued its sums: flushes past the budget."""
+        if self.gradients.nbytes > self.gradients.budget:
+            self.gradients.flush()
+
+    def flush(self) -> None:
+        """Launches everything queued (before a fold reads the sums)."""
+        self.activations.flush()
+        self.gradients.flush()
+        self.now.flush()
+
+    def clear(self) -> None:
+        """Forgets everything queued (a failed attempt's statistics are dropped)."""
+        self.activations.clear()
+        self.gradients.clear()
+        self.now.clear()
+
+
+class HookState:
+    """What the hooks of one collector share, and all they see of it: the batches they
+    queue into, the implementation of the statistics, and the generation of the layers'
+    buffers, counted up when a hook moves a layer's tensors to where its module now
+    computes (for whoever caches their addresses: the fold plans, the optimizer's).
+
+    Example:
+        >>> state = HookState(RefreshBatches(), impl="reference")
+        >>> state.generation, len(state.batches.now)
+        (0, 0)
+    """
+
+    __slots__ = ("batches", "impl", "generation")
+
+    def __init__(self, batches: RefreshBatches, impl: str | None) -> None:
+        self.batches = batches
+        self.impl = impl
+        self.generation = 0
 
 
 def _saved_tensors_hooks_probe() -> Any:
@@ -116,7 +192,8 @@ class InertHook:
 
 
 class _StatisticsHook:
-    """What both hooks share: the layer they serve, its collector, how they copy.
+    """What both hooks share: the layer they serve, the collector's :class:`HookState`,
+    how they copy.
 
     Whether the layer's forward keeps its input for the backward
     (:meth:`~hf_triaccel.curvature.rules.FisherRule.input_saved`) is asked once, when the
@@ -124,10 +201,10 @@ class _StatisticsHook:
     without one).
     """
 
-    __slots__ = ("collector", "layer", "saved")
+    __slots__ = ("state", "layer", "saved")
 
-    def __init__(self, collector: FisherCollector, layer: LayerFactors) -> None:
-        self.collector = collector
+    def __init__(self, state: HookState, layer: LayerFactors) -> None:
+        self.state = state
         self.layer = layer
         self.saved = layer.rule.input_saved(layer.module)
 
@@ -150,11 +227,10 @@ class ActivationHook(_StatisticsHook):
 
     def take(
         self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
-    ) -> PendingStatistic | int | None:
-        """Takes the activation sums of this forward's input; returns what waits for the
-        gradient of its output (the pending record, or in a replayed step the index of
-        its event: :mod:`~hf_triaccel.curvature.steady`), or ``None`` when this forward
-        takes no statistic."""
+    ) -> PendingStatistic | None:
+        """Takes the activation sums of this forward's input; returns the record that
+        waits for the gradient of its output, or ``None`` when this forward takes no
+        statistic."""
         layer = self.layer
         # a shallow copy of the model shares the hook dicts: ignore the copy's calls
         if module is not layer.module or not torch.is_grad_enabled():
@@ -163,33 +239,24 @@ class ActivationHook(_StatisticsHook):
         if _recomputing(hooked):
             return None
         x = args[0] if args else next(iter(kwargs.values()))
-        collector = self.collector
+        state = self.state
         anchor = module._parameters.get(layer.anchor)
         if anchor is None:  # a parametrised or replaced parameter
             anchor = getattr(module, layer.anchor)
         device = anchor.device
         # an input the forward keeps anyway can wait for the backward, with the others
         kept = self.saved and _kept(hooked, x, device)
-        replayed = collector.steady.forward(layer, x, device, kept)
-        if replayed is not None:
-            return replayed
         if layer.follow(device):
-            collector.generation += 1  # whoever cached the factors' addresses
-        batches = collector.batches
-        x = x.detach()
-        recorder = batches.now.recorder
-        if recorder is not None:
-            recorder.activation(layer, x, device, kept)
+            state.generation += 1  # whoever cached the factors' addresses
+        batches = state.batches
         batch = batches.activations if kept else batches.now
         previous = activate(batch)
         try:
-            pending = layer.take_activation(module, x, collector.impl)
+            pending = layer.take_activation(module, x.detach(), state.impl)
         finally:
             activate(previous)
         if not kept:
             batch.flush()
-        if recorder is not None:
-            recorder.taken(pending)
         return pending
 
 
@@ -209,24 +276,15 @@ class OutputHook(_StatisticsHook):
             return
         self.on_gradient(layer.pending_a.pop(), output)
 
-    def on_gradient(self, taken: PendingStatistic | int, output: Any) -> None:
+    def on_gradient(self, taken: PendingStatistic, output: Any) -> None:
         """Registers on ``output`` the gradient hook that confirms ``taken`` (what
         :meth:`ActivationHook.take` returned) and takes the gradient sums (nothing for an
         output without gradient)."""
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         node = output.grad_fn
-        tensor_hook = node is None or torch.compiler.is_compiling()
-        if not isinstance(taken, PendingStatistic):  # the event of a replayed forward
-            steady = self.collector.steady
-            if tensor_hook:
-                output.register_hook(functools.partial(steady.tensor_gradient, taken, steady.step))
-                return
-            hook = functools.partial(steady.node_gradient, taken, steady.step, output.output_nr)
-            node.register_prehook(hook)
-            return
-        take = GradientTake(self.collector, self.layer, taken)
-        if tensor_hook:
+        take = GradientTake(self.state, self.layer, taken)
+        if node is None or torch.compiler.is_compiling():
             output.register_hook(take)
             return
         # A hook on the node that computes the output's gradient costs less host time
@@ -267,42 +325,34 @@ class GradientTake:
     the gradient sums of its output.
 
     Example:
-        >>> from hf_triaccel.curvature.collector import FisherCollector
-        >>> collector = FisherCollector(nn.Linear(3, 2))
-        >>> layer = collector.layers[""]
-        >>> pending = layer.take_activation(layer.module, torch.ones(4, 3), None)
-        >>> GradientTake(collector, layer, pending)(torch.ones(4, 2))
+        >>> from hf_triaccel.curvature.rules import rule_for
+        >>> lin = nn.Linear(3, 2)
+        >>> rule = rule_for(lin)
+        >>> layer = LayerFactors.create("", lin, rule, rule.layouts(lin), False, True)
+        >>> pending = layer.take_activation(lin, torch.ones(4, 3), "reference")
+        >>> GradientTake(HookState(RefreshBatches(), "reference"), layer, pending)(torch.ones(4, 2))
         >>> layer.a_count, layer.g_count, layer.g_n
         (1, 1, 4.0)
-        >>> collector.detach()
     """
 
-    __slots__ = ("collector", "layer", "pending")
+    __slots__ = ("state", "layer", "pending")
 
-    def __init__(
-        self, collector: FisherCollector, layer: LayerFactors, pending: PendingStatistic
-    ) -> None:
-        self.collector = collector
+    def __init__(self, state: HookState, layer: LayerFactors, pending: PendingStatistic) -> None:
+        self.state = state
         self.layer = layer
         self.pending = pending
 
     def __call__(self, grad: torch.Tensor) -> None:
         if self.pending.slot < 0:
             return  # a forward of a step already folded
-        layer, batches = self.layer, self.collector.batches
-        detach = grad.requires_grad  # a backward that builds a graph (create_graph)
-        if detach:
+        layer, batches = self.layer, self.state.batches
+        if grad.requires_grad:  # a backward that builds a graph (create_graph)
             grad = grad.detach()
-        recorder = batches.gradients.recorder
-        if recorder is not None:
-            recorder.gradient(layer, grad, detach, self.pending)
-        started = batches.backward_started()
+        batches.backward_started()
         layer.confirm(self.pending)
         previous = activate(batches.gradients)
         try:
-            count = layer.take_gradient(grad, self.collector.impl)
+            layer.take_gradient(grad, self.state.impl)
         finally:
             activate(previous)
         batches.gradient_taken()
-        if recorder is not None:
-            recorder.counted(count, started)

@@ -136,7 +136,7 @@ class FactorFold:
         self.factors = list(zip(emas, news, useds, strict=True))
         self.table: torch.Tensor | None = None
         if emas and resolve_impl(impl, emas[0].device) == "triton":
-            from hf_triaccel.kernels.stats import fold_table
+            from hf_triaccel.kernels.fold import fold_table
 
             self.table = fold_table(emas, news, useds)
 
@@ -145,7 +145,7 @@ class FactorFold:
         normalisation ``normalise``."""
         check_fold_modes(mode, normalise)
         if self.table is not None:
-            from hf_triaccel.kernels.stats import fold_triton
+            from hf_triaccel.kernels.fold import fold_triton
 
             fold_triton(self.table, mode, gamma, normalise)
             return

@@ -7,17 +7,17 @@ extra forward or backward pass:
 curvature ``c``
     The mean over the module's preconditioned entries of ``F - damping = g_i * a_j`` (so
     ``c`` does not depend on the damping), computed on the factors without materialising
-    ``F`` (:func:`~hf_triaccel.curvature.terms.mean_entry`). The module's ``c`` is the
+    ``F`` (:func:`~hf_triaccel.curvature.signals.terms.mean_entry`). The module's ``c`` is the
     element-weighted mean over its parameters.
 concentration
     The share of the module's factor mass ``sum(F - damping)`` held by its largest 10%
     entries (``ceil(0.1 * N)`` of its ``N`` entries), again on the factorisation
-    (:func:`~hf_triaccel.curvature.terms.top_shares`). A flat Fisher gives 0.1, a Fisher
+    (:func:`~hf_triaccel.curvature.signals.terms.top_shares`). A flat Fisher gives 0.1, a Fisher
     held by few entries values near 1.
 gradient noise ratio ``v``
     ``mean(E[g^2] - E[g]^2) / mean(E[g^2])`` over the module's gradient elements, from EMAs
     kept for ``noise_samples`` sampled elements per parameter (see
-    :mod:`hf_triaccel.curvature.noise`). They are updated by an optimizer step pre-hook
+    :mod:`hf_triaccel.curvature.signals.noise`). They are updated by an optimizer step pre-hook
     every ``noise_every`` steps, from the unscaled gradient about to be applied; ``nan``
     until two samples were taken.
 sensitivity ``s = c * ||W||^2 * v``
@@ -40,11 +40,11 @@ import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from hf_triaccel.curvature.collection.layer import LayerFactors
+from hf_triaccel.curvature.collection.sharding import is_sharded
 from hf_triaccel.curvature.collector import FisherCollector
-from hf_triaccel.curvature.layer import LayerFactors
-from hf_triaccel.curvature.noise import noise_probes, noise_ratio, update_probes
-from hf_triaccel.curvature.sharding import is_sharded
-from hf_triaccel.curvature.terms import factor_terms, mean_entry, top_shares
+from hf_triaccel.curvature.signals.noise import noise_probes, noise_ratio, update_probes
+from hf_triaccel.curvature.signals.terms import factor_terms, mean_entry, top_shares
 
 Listener = Callable[[int, "dict[str, ModuleSignals] | None"], None]
 

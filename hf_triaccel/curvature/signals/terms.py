@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_triaccel._types import FactorLayout
-from hf_triaccel.curvature.layer import LayerFactors
+from hf_triaccel.curvature.collection.layer import LayerFactors
 
 # multi-section search for the top-entries threshold: WAYS candidates per round
 _WAYS = 16

@@ -8,15 +8,9 @@ follow them (a convolution's tap gather: :func:`gather_or_mm`, or any step: :fun
 shape as one kernel (``hf_triaccel.kernels.grouped.launch_grouped``), then the gathers
 (``launch_gathers``), then what follows, in order.
 
-A collector keeps three (:class:`RefreshBatches`). The activation sums of layers whose
-forward keeps its input for the backward anyway (:meth:`FisherRule.input_saved`) wait
-for the backward to start: holding those inputs costs no memory. The gradient sums wait
-while the gradients they hold take at most :data:`GRADIENT_BYTES_PER_PARAMETER` bytes per
-parameter of the collector's layers, and at most until the backward ends. The others are
-launched when their hook ends.
-
-A batch with a ``recorder`` tells it what is queued, launched and flushed: how a refresh
-step is recorded to be replayed (:mod:`~hf_triaccel.curvature.steady`).
+A collector keeps three of them
+(:class:`~hf_triaccel.curvature.collection.hooks.RefreshBatches`), which say when each
+is flushed.
 """
 
 from __future__ import annotations
@@ -27,11 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-# Gradients held, per parameter of the hooked layers: half of what AdaFisher saves against
-# AdamW (one float32 state per parameter instead of two), so that the peak memory of a
-# refresh step stays under AdamW's wherever the backward's own peak falls.
-GRADIENT_BYTES_PER_PARAMETER = 2
 
 # The batch the running hook queues into, per thread: the autograd engine may run the
 # hooks of two devices' backwards at once.
@@ -54,11 +43,10 @@ class StatisticsBatch:
         tensor([1.])
     """
 
-    __slots__ = ("entries", "gathers", "after", "outs", "nbytes", "budget", "recorder")
+    __slots__ = ("entries", "gathers", "after", "outs", "nbytes", "budget")
 
     def __init__(self, budget: float = float("inf")) -> None:
         self.budget = budget  # bytes of inputs held; past it they are launched
-        self.recorder: Any = None  # told what is queued, launched and flushed
         self.entries: list[tuple] = []
         self.gathers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.after: list[tuple[Callable[..., Any], tuple]] = []
@@ -77,8 +65,6 @@ class StatisticsBatch:
         size = x.nbytes
         key = None if size > self.budget and not self.entries else _grouped().group_key(launch, x)
         if key is None:
-            if self.recorder is not None:
-                self.recorder.launched(launch, x, out, scale, accumulate)
             launch(x, out, scale, accumulate)
             return
         ptr = out.data_ptr()
@@ -87,21 +73,15 @@ class StatisticsBatch:
         self.outs.add(ptr)
         self.entries.append((launch, x, out, scale, accumulate, key))
         self.nbytes += size
-        if self.recorder is not None:
-            self.recorder.queued(self, "entries", (x,))
 
     def gather(self, sums: torch.Tensor, taps: torch.Tensor, out: torch.Tensor) -> None:
         """Queues ``torch.mm(sums, taps, out=out)`` (a convolution's tap gather), launched
         with the others after the reductions."""
         self.gathers.append((sums, taps, out))
-        if self.recorder is not None:
-            self.recorder.queued(self, "gathers", (sums, taps, out))
 
     def then(self, fn: Callable[..., Any], args: tuple) -> None:
         """Runs ``fn(*args)`` at the flush, after the queued reductions."""
         self.after.append((fn, args))
-        if self.recorder is not None:
-            self.recorder.queued(self, "after", args)
 
     def flush(self) -> None:
         """Launches the queued reductions, grouped, then the gathers, then what follows."""
@@ -109,8 +89,6 @@ class StatisticsBatch:
         if not (entries or gathers or after):
             return
         self.clear()
-        if self.recorder is not None:
-            self.recorder.flushed(self, entries, gathers, after)
         if entries:
             launch_grouped = _grouped().launch_grouped
             groups: dict[tuple, list[tuple]] = {}
@@ -183,62 +161,3 @@ def then(fn: Callable[..., Any], *args: Any) -> None:
         fn(*args)
     else:
         batch.then(fn, args)
-
-
-class RefreshBatches:
-    """A collector's three batches: activation sums, launched when the backward starts;
-    gradient sums, launched before the gradients they hold pass ``budget`` bytes, and
-    when the backward ends; and the activation sums of inputs that are not kept
-    (``now``), launched when their hook ends."""
-
-    __slots__ = ("activations", "gradients", "now", "task")
-
-    def __init__(self, budget: int = 0) -> None:
-        self.activations = StatisticsBatch()  # the inputs are alive anyway: no budget
-        self.gradients = StatisticsBatch(budget)
-        self.now = StatisticsBatch()
-        self.task = -1  # the backward (graph task) whose end will flush the gradient sums
-
-    def record(self, recorder: Any) -> None:
-        """Gives every batch ``recorder`` (``None``: none)."""
-        for batch in (self.activations, self.gradients, self.now):
-            batch.recorder = recorder
-
-    def backward_started(self) -> bool:
-        """Called by each gradient hook: flushes the activation sums and, once per
-        backward, asks the autograd engine to flush the gradient sums at its end;
-        returns whether it did (a new backward)."""
-        self.activations.flush()
-        task = torch._C._current_graph_task_id()
-        if task == self.task:
-            return False
-        # a new backward (one that failed never ended)
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-        self.task = task
-        return True
-
-    def _backward_ended(self) -> None:
-        self.task = -1
-        recorder = self.gradients.recorder
-        if recorder is not None:
-            recorder.backward_ended()
-        self.gradients.flush()
-        if recorder is not None:
-            recorder.done()
-
-    def gradient_taken(self) -> None:
-        """Called after a gradient hook queued its sums: flushes past the budget."""
-        if self.gradients.nbytes > self.gradients.budget:
-            self.gradients.flush()
-
-    def flush(self) -> None:
-        """Launches everything queued (before a fold reads the sums)."""
-        self.activations.flush()
-        self.gradients.flush()
-        self.now.flush()
-
-    def clear(self) -> None:
-        """Forgets everything queued (a failed attempt's statistics are dropped)."""
-        self.activations.clear()
-        self.gradients.clear()
-        self.now.clear()

@@ -2,7 +2,7 @@
 
 Each function takes activations or output gradients in any float dtype and returns
 float32 sums. The reference versions here are plain PyTorch; the Triton versions
-(``hf_triaccel.kernels.stats``) read the native dtype once and accumulate in float32.
+(``hf_triaccel.kernels.reductions``) read the native dtype once and accumulate in float32.
 Both are selected through :func:`hf_triaccel.dispatch.resolve_impl`.
 
 Both take the same epilogue: the sums may be scaled (``scale``) and written into, or added
@@ -10,7 +10,7 @@ to (``accumulate``), a caller's float32 buffer (``out``). The Triton versions do
 inside the kernel, so that a statistic hook accumulating into a preallocated buffer,
 through a :func:`reducer` worked out once for its input's layout, costs one launch and
 nothing else. (What is not linear in the samples, such as the square of a sum, waits for
-the step's sums: :mod:`hf_triaccel.curvature.finish`.)
+the step's sums: :mod:`hf_triaccel.curvature.rules.finish`.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from hf_triaccel._types import check_statistic_out
-from hf_triaccel.curvature.batching import queue_or_launch
+from hf_triaccel.curvature.rules.batching import queue_or_launch
 from hf_triaccel.dispatch import resolve_impl
 
 Reduction = Callable[..., torch.Tensor]
@@ -91,7 +91,7 @@ def reductions_for(impl: str | None, device: torch.device) -> tuple[Reduction, R
         tensor([1., 1., 1.])
     """
     if resolve_impl(impl, device) == "triton":
-        from hf_triaccel.kernels.stats import channel_sum_triton, sum_rows_triton
+        from hf_triaccel.kernels.reductions import channel_sum_triton, sum_rows_triton
 
         return sum_rows_triton, channel_sum_triton
     return sum_rows_reference, channel_sum_reference
@@ -115,9 +115,9 @@ def reducer(
     scaled sums into the first entries of the float32 buffer ``out`` (or adds them) and,
     with ``tail=(length, value)``, ``length`` more entries after them: zeros, ``value``
     last. With Triton, whenever a kernel reads the view in place, that is one kernel
-    launch (:class:`~hf_triaccel.kernels.stats.ReductionLaunch`) and no other
+    launch (:class:`~hf_triaccel.kernels.reductions.ReductionLaunch`) and no other
     operation, queued while a statistics batch is active when it sums rows
-    (:mod:`~hf_triaccel.curvature.batching`); otherwise the view is copied first.
+    (:mod:`~hf_triaccel.curvature.rules.batching`); otherwise the view is copied first.
 
     Example:
         >>> x = torch.ones(2, 3, 4)
@@ -130,13 +130,13 @@ def reducer(
     shape = v.shape
     n = shape[1] if len(shape) > 1 else 1
     if resolve_impl(impl, example.device) == "triton" and example.numel():
-        from hf_triaccel.kernels.stats import reduction_launch
+        from hf_triaccel.kernels.reductions import reduction_launch
 
         if v.data_ptr() == example.data_ptr():  # a view, not a copy
             launch = reduction_launch(v, square, tail)
             if launch is not None:
                 # reads each input where it is; a row sum can wait in the active batch
-                # (hf_triaccel.curvature.batching), which launches the others at once
+                # (hf_triaccel.curvature.rules.batching), which launches the others at once
                 return functools.partial(queue_or_launch, launch)
         launch = reduction_launch(v.contiguous(), square, tail)
 

@@ -5,7 +5,7 @@ Each layer's activation sums wait in slots, one per confirmed micro-batch; they 
 merged into the first slot, while the gradient sums already add up in ``g_stat``. When
 ``torch.distributed`` runs more than one process (DDP, FSDP2), every ready layer's sums
 and counts on one device are added over the processes in one all-reduce. The sums are
-then those of the global batch, and the finish (:mod:`~hf_triaccel.curvature.finish`)
+then those of the global batch, and the finish (:mod:`~hf_triaccel.curvature.rules.finish`)
 makes from them the statistics one process would take from the global batch whole.
 
 Under data parallelism each process's loss is a mean over its own share of the batch, so
@@ -21,10 +21,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from hf_triaccel.curvature.finish import FinishPlan
-from hf_triaccel.curvature.fold import FactorFold
-from hf_triaccel.curvature.layer import LayerFactors
-from hf_triaccel.curvature.replay import Replay
+from hf_triaccel.curvature.collection.fold import FactorFold
+from hf_triaccel.curvature.collection.graphs import Replay
+from hf_triaccel.curvature.collection.layer import LayerFactors
+from hf_triaccel.curvature.rules.finish import FinishPlan
 
 # Sets of ready layers whose folds are kept: all layers, usually; a model whose layers
 # take turns (a mixture of experts) must not pile up folds.
@@ -51,7 +51,7 @@ class DevicePlan(NamedTuple):
     ) -> None:
         """Finishes the layers' merged sums of one process and folds them, replayed as
         a CUDA graph where the same counts and fold repeat
-        (:mod:`~hf_triaccel.curvature.replay`); ``counts`` as :meth:`counts` gives them
+        (:mod:`~hf_triaccel.curvature.collection.graphs`); ``counts`` as :meth:`counts` gives them
         (read from the layers when ``None``)."""
         if counts is None:
             counts = self.counts()
