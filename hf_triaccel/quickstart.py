@@ -204,8 +204,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command-line flags (see ``python -m hf_triaccel.quickstart --help``)."""
     parser = argparse.ArgumentParser(
         prog="python -m hf_triaccel.quickstart",
-        description="Train the same model with AdaFisherW and with AdamW, on the same data "
-        "and batches, and print their accuracy and time side by side.",
+        description=f"Train the same model with {' and with '.join(COMPARED)} (--optimizers), "
+        "on the same data and batches, and print their accuracy and time side by side.",
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--dataset",

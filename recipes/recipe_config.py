@@ -33,6 +33,7 @@ from transformers.hf_argparser import string_to_bool
 
 from hf_triaccel import TriAccelArguments
 from hf_triaccel.data import is_hub_dataset_id
+from hf_triaccel.data.loading import path_in_message
 from hf_triaccel.integrations.trainer_args import TriAccelArgumentParser
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -135,21 +136,6 @@ def given_flags(argv: Sequence[str]) -> frozenset[str]:
     """
     names = (a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--"))
     return frozenset(FLAG_ALIASES.get(name, name) for name in names)
-
-
-def where(path: str | os.PathLike) -> str:
-    """A path as an error message names it: an absolute one as it is, a relative one with
-    the folder it is relative to.
-
-    Example:
-        >>> where("/data/x")
-        "'/data/x'"
-        >>> where("x").startswith("'x' (relative to ")
-        True
-    """
-    if Path(path).expanduser().is_absolute():
-        return repr(str(path))
-    return f"{str(path)!r} (relative to {Path.cwd()})"
 
 
 @dataclass(frozen=True)
@@ -467,7 +453,7 @@ def check_arguments(recipe_args: RecipeArguments, args: TriAccelArguments) -> No
         dataset == EMBEDDED or Path(dataset).expanduser().exists() or is_hub_dataset_id(dataset)
     ):
         raise ValueError(
-            f"--dataset {where(dataset)}: no such file or folder, and "
+            f"--dataset {path_in_message(dataset)}: no such file or folder, and "
             "not a Hub data set id of the form owner/name (e.g. uoft-cs/cifar10); a local "
             f"folder needs its path, or '{EMBEDDED}' for the slice in the package"
         )

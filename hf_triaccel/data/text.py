@@ -30,7 +30,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.trainers import WordLevelTrainer
 
-from hf_triaccel.data.loading import is_hub_dataset_id, split_files
+from hf_triaccel.data.loading import is_hub_dataset_id, path_in_message, split_files
 
 TEXT_COLUMN = "text"
 UNK = "<unk>"
@@ -60,8 +60,7 @@ def check_text_source(source: str, splits: Sequence[str]) -> None:
             split_files(local, split)
     elif not is_hub_dataset_id(source):
         raise FileNotFoundError(
-            f"no such folder: {source!r} (relative to {Path.cwd()}), and not a Hub data set "
-            "id (owner/name)"
+            f"no such folder: {path_in_message(source)}, and not a Hub data set id (owner/name)"
         )
 
 
