@@ -211,9 +211,9 @@ class TextRecipeArguments(ReportArguments):
         default=False,
         metadata={
             "help": "The recipe's quick form, sized for a CPU: a 2-layer, 128-wide model over "
-            "the 4,096 most frequent words, 200 steps of 512 tokens, evaluations on the first 16,384 tokens of each split, after "
-            "the AdamW baseline (--baseline false to skip it); outputs in "
-            "outputs/wikitext2_gpt2-quick. Any flag still wins."
+            "the 4,096 most frequent words, 200 steps of 512 tokens, evaluations on the first "
+            "16,384 tokens of each split, after the AdamW baseline (--baseline false to skip "
+            "it); outputs in outputs/wikitext2_gpt2-quick. Any flag still wins."
         },
     )
     max_vocab: int | None = field(
