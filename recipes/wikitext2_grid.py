@@ -279,8 +279,14 @@ def summary(
     target_arm: str,
     first_seed: int,
     timing: Sequence[dict[str, Any]] = (),
+    versus: Sequence[str] = (),
 ) -> str:
     """The grid's table (see the module doc), as Markdown.
+
+    ``target_arm`` and the names of ``versus`` are arms or groups (a group stands for its
+    best arm). With ``versus``, a last column gives each arm's time to the target over
+    the shortest of theirs ("x the better of AdamW and Muon"). Under the table, each
+    group's best arm and its tuning runs (the runs at ``first_seed``).
 
     Each arm's row is its best learning rate (lowest best validation perplexity at
     ``first_seed``) over its seeds. The target is the lowest point of the target arm's
@@ -303,12 +309,25 @@ def summary(
         |---|---|---|---|---|---|---|---|---|---|
         | adamw | 0.001: 100.00 | 0.001 | 1 | 101.00 | 100.00 | 98.00 | 2.0 | 10.0 (runs) |
         1.000 |
+        <BLANKLINE>
+        tuning runs at seed 0: adamw 1
     """
     arms: dict[str, dict[float, list[dict]]] = {}
     for run in runs:
         arms.setdefault(run["name"], {}).setdefault(run["key"]["learning_rate"], []).append(run)
 
     best_lr = best_learning_rates(runs, first_seed)
+    winners = group_winners(runs, first_seed)
+
+    def resolve(name: str) -> str:
+        if name in arms:
+            return name
+        if name in winners:
+            return winners[name]
+        raise ValueError(f"no arm or group {name!r} in the runs; arms: {sorted(arms)}")
+
+    target_arm = resolve(target_arm)
+    versus = [resolve(name) for name in versus]
 
     def spread(values: list[float]) -> str:
         if len(values) < 2:
@@ -329,21 +348,28 @@ def summary(
     reached = {arm: reach(by_lr[best_lr[arm]], target) for arm, by_lr in arms.items()}
     target_seconds = reached[target_arm][1]
 
+    rivals = [reached[arm][1] for arm in versus if reached[arm] and reached[arm][1]]
+    best_rival = min(rivals, default=None)
+
     def time_cells(found: tuple[float, float | None, str] | None) -> str:
+        extra = " |" if versus else ""
         if found is None:
-            return "not reached | | |"
+            return "not reached | | |" + extra
         tokens, seconds, source = found
         if seconds is None:
-            return f"{tokens / 1e6:.1f} | n/a | |"
+            return f"{tokens / 1e6:.1f} | n/a | |" + extra
         ratio = f"{seconds / target_seconds:.3f}" if target_seconds else ""
-        return f"{tokens / 1e6:.1f} | {seconds:.1f} ({source}) | {ratio} |"
+        if versus:
+            extra = f" {seconds / best_rival:.3f} |" if best_rival else " |"
+        return f"{tokens / 1e6:.1f} | {seconds:.1f} ({source}) | {ratio} |" + extra
 
+    versus_header = f" time / the better of {', '.join(versus)} |" if versus else ""
     lines = [
         f"target: the lowest point of {target_arm}'s mean validation perplexity, {target:.2f}",
         f"| arm | learning rates (best validation perplexity, seed {first_seed}) | best lr | "
         "seeds | final validation | best validation | test | tokens to target (M) | "
-        f"time to target (s) | time / {target_arm}'s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"time to target (s) | time / {target_arm}'s |{versus_header}",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if versus else ""),
     ]
     for arm, by_lr in arms.items():
         lr = best_lr[arm]
@@ -360,7 +386,34 @@ def summary(
             f"{spread([score(r) for r in best])} | "
             f"{spread([r['test_perplexity'] for r in best])} | {time_cells(reached[arm])}"
         )
+    tuning: dict[str, list[str]] = {}
+    for arm in arms:
+        tuning.setdefault(group_of(arm), []).append(arm)
+    counts = []
+    for group, members in tuning.items():
+        swept = sum(r["name"] in members and r["key"]["seed"] == first_seed for r in runs)
+        several = f" ({len(members)} arms, best {winners[group]})" if len(members) > 1 else ""
+        counts.append(f"{group} {swept}{several}")
+    lines.append(f"\ntuning runs at seed {first_seed}: {', '.join(counts)}")
     return "\n".join(lines)
+
+
+def group_winners(runs: Sequence[dict[str, Any]], first_seed: int) -> dict[str, str]:
+    """Each group's best arm: the lowest best validation perplexity at ``first_seed``.
+
+    Example:
+        >>> runs = [{"name": name, "key": {"seed": 0, "learning_rate": 1e-3},
+        ...          "best_eval_perplexity": ppl} for name, ppl in (("m/a", 90.0), ("m/b", 80.0))]
+        >>> group_winners(runs, 0)
+        {'m': 'm/b'}
+    """
+    best: dict[str, tuple[float, str]] = {}
+    for run in runs:
+        if run["key"]["seed"] != first_seed:
+            continue
+        group, entry = group_of(run["name"]), (score(run), run["name"])
+        best[group] = min(best.get(group, entry), entry)
+    return {group: arm for group, (_, arm) in best.items()}
 
 
 def best_learning_rates(runs: Sequence[dict[str, Any]], first_seed: int) -> dict[str, float]:
@@ -433,6 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     show.add_argument("--seed", type=int, default=42, help="The seed that swept the lrs.")
     show.add_argument(
+        "--versus",
+        help="Arms or groups, comma-separated (e.g. adamw,muon): a last column gives each "
+        "arm's time to the target over the shortest of theirs.",
+    )
+    show.add_argument(
         "--timing",
         help="A runs file of runs that had the device to themselves (e.g. short runs with "
         "--eval_strategy no): the time to the target is the tokens to it over their steady "
@@ -441,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(own)
     if options.command == "summary":
         timing = records(options.timing) if options.timing else []
-        print(summary(records(options.runs_file), options.target, options.seed, timing))
+        versus = [name for name in (options.versus or "").split(",") if name]
+        print(summary(records(options.runs_file), options.target, options.seed, timing, versus))
         return 0
     arms = {k: shlex.split(v) for k, v in parse_pairs(options.arm, "--arm").items()}
     lrs: dict[str, list[float] | str] = {
