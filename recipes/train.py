@@ -529,9 +529,9 @@ def run_recipe(argv: list[str] | None = None, recipe: str | None = None) -> dict
             precision_events=run.precision_events,
             last_step=results["optimizer_steps"],
         )
-    publish(results, args, push, f"accuracy {results['eval_accuracy']}")
-    if results["comparison"] is not None:
+    if results["comparison"] is not None:  # on the console too, before any upload
         print(comparison_table(results), flush=True)
+    publish(results, args, push, f"accuracy {results['eval_accuracy']}")
     return results
 
 

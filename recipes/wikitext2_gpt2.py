@@ -1010,9 +1010,9 @@ def run_recipe(argv: list[str], prog: str | None = None) -> dict[str, Any] | Non
         f"validation perplexity {results['eval_perplexity']:.2f}, "
         f"test {results['test_perplexity']:.2f}"
     )
-    publish(results, args, push, outcome)
-    if baseline is not None:
+    if baseline is not None:  # on the console too, before any upload
         print(comparison_table(results), flush=True)
+    publish(results, args, push, outcome)
     return results
 
 
