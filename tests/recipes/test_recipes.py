@@ -113,7 +113,7 @@ def test_recipe_trains_and_writes_model_reports_plots_and_card(name, hub_folders
     autotuning = torch.backends.cudnn.benchmark
     results = train.run_recipe(argv)
     assert torch.backends.cudnn.benchmark == autotuning  # on during the run only
-    assert results["settings"]["cudnn_benchmark"] is True
+    assert results["settings"]["cudnn_benchmark"] is None  # no cuDNN on a CPU run
 
     for file in ("model.safetensors", "config.json", REPORT_NAME, "history.json"):
         assert (out / file).is_file(), file
@@ -556,11 +556,19 @@ def test_load_results_needs_results(tmp_path):
         recipe_results.load_results(tmp_path)
 
 
-def test_full_determinism_keeps_cudnn_autotuning_off(hub_folders, tmp_path):
+def test_full_determinism_keeps_cudnn_autotuning_off(hub_folders, tmp_path, monkeypatch):
     name = "cifar10_resnet18"
     argv = tiny_run(name, hub_folders[name], tmp_path / "out", "--full_determinism", "true")
+    asked, autotuning = [], train.cudnn_autotuning
+
+    def recorded(on: bool):
+        asked.append(on)
+        return autotuning(on)
+
+    monkeypatch.setattr(train, "cudnn_autotuning", recorded)
     results = train.run_recipe([*argv, "--no_plot"])
-    assert results["settings"]["cudnn_benchmark"] is False
+    assert asked == [False]
+    assert results["settings"]["cudnn_benchmark"] is None  # a CPU run says nothing of cuDNN
 
 
 class FakeNVML:
