@@ -24,11 +24,20 @@ once at the end. A run writes into ``output_dir``:
   entry with its step, tokens and times) and ``results.json`` (perplexities, the
   perplexity-against-time ``curve``, time figures, settings, the command);
 - ``loss.png`` (and ``memory.png`` on a GPU) and the model card ``README.md``;
-- with ``--baseline``, the AdamW (fused) run of the same command in ``output_dir/baseline``.
+- with ``--baseline``, the AdamW (fused) run of the same command in ``output_dir/baseline``,
+  and both runs side by side on the console.
 
 ``--runs_file FILE`` appends every finished run to a JSON-lines file and skips a run whose
 settings are already there, so that a grid of commands can be run again after an
 interruption and only trains what is missing.
+
+``--quick`` is the form sized for a CPU (``wikitext2_plan.py``: a small model over the
+most frequent words, a few hundred steps, after the AdamW baseline); ``--muon`` trains
+Muon on the hidden matrices and AdamW on the rest (``muon_split.py``).
+
+Over 1,000 lines: one command line (its flags and their checks), its data, its run, its
+runs file and its comparison, each needing the others' names; the plan and the Muon arm
+live in their own files.
 """
 
 from __future__ import annotations
