@@ -6,6 +6,7 @@ import contextlib
 import doctest
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -71,6 +72,12 @@ def tiny_run(recipe: str, dataset: Path | str, out: Path, *extra: str) -> list[s
         "true",
         *extra,
     ]
+
+
+def this_checkout() -> dict[str, str]:
+    """The environment of a recipe script run as a user runs it, importing the package of
+    this checkout (not another installed copy)."""
+    return {**os.environ, "PYTHONPATH": str(RECIPES_DIR.parent)}
 
 
 def front_matter(card: str) -> dict:
@@ -362,7 +369,10 @@ def test_a_flag_that_cannot_work_is_named_in_one_line(flags, message, capsys):
 def test_a_recipe_script_exits_with_one_line_for_a_bad_flag():
     script = RECIPES_DIR / "cifar10_resnet18.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--adafisher_gamma", "2"], capture_output=True, text=True
+        [sys.executable, str(script), "--adafisher_gamma", "2"],
+        capture_output=True,
+        text=True,
+        env=this_checkout(),
     )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "cifar10_resnet18.py: error: --adafisher_gamma 2.0: needs 0 < gamma < 1\n"
@@ -374,6 +384,7 @@ def test_each_recipe_script_helps_with_its_own_defaults(recipe):
         [sys.executable, str(RECIPES_DIR / f"{recipe}.py"), "--help"],
         capture_output=True,
         text=True,
+        env=this_checkout(),
     )
     assert done.returncode == 0, done.stderr
     config = recipe_config.RecipeConfig.load(recipe)
