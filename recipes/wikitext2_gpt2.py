@@ -834,10 +834,13 @@ def train_and_evaluate(
         "test_split": "test",
         "block_size": recipe_args.block_size,
         "train_tokens": data.tokens["train"],
-        # the tokens the evaluations read: the whole splits, or their first
-        # --max_eval_tokens in whole blocks
-        "eval_tokens": data.evaluated_tokens("validation", limit),
-        "test_tokens": data.evaluated_tokens("test", limit),
+        # the splits' tokens, or under --max_eval_tokens the tokens of the whole blocks read
+        "eval_tokens": data.tokens["validation"]
+        if limit is None
+        else data.evaluated_tokens("validation", limit),
+        "test_tokens": data.tokens["test"]
+        if limit is None
+        else data.evaluated_tokens("test", limit),
         "split_tokens": {"validation": data.tokens["validation"], "test": data.tokens["test"]},
         "quick": recipe_args.quick,
         "plan": plan,
