@@ -338,8 +338,9 @@ def test_grid_summary_of_recorded_runs(run):
     for line, name in zip(lines, ("adamw", "adafisher"), strict=True):
         line["name"] = name
     table = grid.summary(lines, "adamw", first_seed=42)
-    rows = {row.split(" | ")[0].strip("| "): row for row in table.splitlines()[3:]}
+    rows = {r.split(" | ")[0].strip("| "): r for r in table.splitlines()[3:] if r.startswith("|")}
     assert set(rows) == {"adamw", "adafisher"}
+    assert table.endswith("tuning runs at seed 42: adamw 1, adafisher 1")
     assert rows["adamw"].endswith("(runs) | 1.000 |")  # the target reaches itself
     assert f"{lines[1]['test_perplexity']:.2f}" in rows["adafisher"]
 
