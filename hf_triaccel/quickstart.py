@@ -202,11 +202,10 @@ def train_loop(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command-line flags (see ``python -m hf_triaccel.quickstart --help``)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m hf_triaccel.quickstart",
-        description="Train the same model with AdaFisherW and with AdamW, on the same data "
-        "and batches, and print their accuracy and time side by side.",
-    )
+    trains = " and with ".join(COMPARED)
+    parser = argparse.ArgumentParser(prog="python -m hf_triaccel.quickstart", allow_abbrev=False)
+    parser.description = f"Train the same model with {trains} (--optimizers), on the same data "
+    parser.description += "and batches, and print their accuracy and time side by side."
     parser.add_argument(
         "--dataset",
         "--data",

@@ -47,7 +47,9 @@ WHITENING_IMAGES = 5000
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--data", type=Path, required=True, help="folder with train/test.parquet")
     p.add_argument("--train_limit", type=int, default=None, help="first N training images")
     p.add_argument("--test_limit", type=int, default=None, help="first N test images")

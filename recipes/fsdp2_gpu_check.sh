@@ -17,8 +17,20 @@
 # warm-up steps: under one-GPU FSDP2 in each channels_last arrangement
 # (HF_TRIACCEL_FSDP2_CHANNELS_LAST=inputs, weights), under FSDP2 without channels_last
 # (--nchw), and on one GPU without FSDP (bf16 too). The "step time" lines go to the summary.
+# Without a CUDA GPU it refuses at once (exit 2). An interrupt (Ctrl-C, SIGTERM) ends the
+# running launch and every process it started: `timeout` puts its command in a process
+# group of its own, which the terminal's interrupt does not reach, so the trap below ends
+# that group.
 set -u
 cd "$(dirname "$0")/.."
+if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    2>/dev/null; then
+    echo "fsdp2_gpu_check.sh: error: no CUDA GPU here (torch.cuda.is_available() is False);" \
+        "on a CPU, python recipes/fsdp2_vit.py --smoke --cpu runs the recipe's code" >&2
+    exit 2
+fi
+child=""
+trap 'if [ -n "$child" ]; then kill -TERM -- "-$child" 2>/dev/null; fi; exit 130' INT TERM
 TIMING=0
 if [ "${1:-}" = "--timing" ]; then TIMING=1; fi
 TIME_STEPS="${TIME_STEPS:-60}"
@@ -44,13 +56,28 @@ if ! python -c "import hf_triaccel.kernels" 2>/dev/null; then
     fi
 fi
 
+logged() {  # logged LOG COMMAND...: COMMAND's output shown and written to LOG; its status
+    local log=$1 logfd tee_pid rc
+    shift
+    exec {logfd}> >(tee "$log")
+    tee_pid=$!
+    "$@" >&"$logfd" 2>&1 &
+    child=$!
+    wait "$child"
+    rc=$?
+    child=""
+    exec {logfd}>&-
+    wait "$tee_pid" 2>/dev/null
+    return $rc
+}
+
 stage() {  # stage NAME SECONDS ARGS...: one launch of the recipe
     local name=$1 limit=$2
     shift 2
     echo "== $name: ${LAUNCH[*]} recipes/fsdp2_vit.py $*" | tee -a "$OUT/summary.txt"
     local start=$SECONDS
-    timeout "$limit" "${LAUNCH[@]}" recipes/fsdp2_vit.py "$@" 2>&1 | tee "$OUT/$name.log"
-    local rc=${PIPESTATUS[0]} ok
+    logged "$OUT/$name.log" timeout "$limit" "${LAUNCH[@]}" recipes/fsdp2_vit.py "$@"
+    local rc=$? ok
     ok=$(grep -c '^OK: ' "$OUT/$name.log")
     echo "== $name: exit $rc, $ok OK lines, $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
     if [ "$rc" -ne 0 ] || [ "$ok" -lt 2 ]; then status=1; fi
@@ -63,9 +90,9 @@ timed() {  # timed NAME COMMAND...: one timing run, its "step time" line into th
     local name=$1
     shift
     echo "== $name: $*" | tee -a "$OUT/summary.txt"
-    timeout 300 "$@" --max_steps "$TIME_STEPS" --output_dir "$OUT/timing_run" 2>&1 \
-        | tee "$OUT/$name.log"
-    local rc=${PIPESTATUS[0]}
+    logged "$OUT/$name.log" timeout 300 "$@" --max_steps "$TIME_STEPS" \
+        --output_dir "$OUT/timing_run"
+    local rc=$?
     grep '^step time: ' "$OUT/$name.log" | sed "s/^/== $name: /" | tee -a "$OUT/summary.txt"
     echo "== $name: exit $rc" | tee -a "$OUT/summary.txt"
     if [ "$rc" -ne 0 ]; then status=1; fi

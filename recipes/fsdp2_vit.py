@@ -71,7 +71,7 @@ class Resized(nn.Module):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
     parser.add_argument("--img_size", type=int, default=224, help="model input size (px)")
     parser.add_argument("--patch_size", type=int, default=None, help="default: the model's")

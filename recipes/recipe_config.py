@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
+import socket
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import yaml
@@ -30,11 +33,109 @@ from transformers.hf_argparser import string_to_bool
 
 from hf_triaccel import TriAccelArguments
 from hf_triaccel.data import is_hub_dataset_id
+from hf_triaccel.data.loading import path_in_message
 from hf_triaccel.integrations.trainer_args import TriAccelArgumentParser
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 EMBEDDED = "embedded"
 BASELINE_OPTIM = "adamw_torch_fused"
+# the environment variables that make huggingface_hub and datasets read their caches only
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+class UsageError(ValueError):
+    """Input a recipe cannot train on (data of another class count, a data set that cannot
+    be reached), found before any training: the script prints it in one line and exits
+    with status 2, as for a bad flag."""
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here, or ``None``.
+
+    One TCP connection to the Hub's host (``HF_ENDPOINT``'s, else huggingface.co) answers
+    in milliseconds where there is no network, where ``datasets`` would retry for half a
+    minute before it fails. ``None`` too when the caches are asked for
+    (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``: loading reads them) or a proxy is
+    set (the direct connection says nothing about it).
+
+    """
+    if any(os.environ.get(name, "").strip() not in ("", "0") for name in OFFLINE_VARIABLES):
+        return None
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return None
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or 443
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"{host}: {exc.strerror or exc}"
+    return None
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """An error's type and the first line of its message, cut at ``limit`` characters.
+
+    Example:
+        >>> first_line(ConnectionError("Couldn't reach 'a/b' on the Hub\\nmore"))
+        "ConnectionError: Couldn't reach 'a/b' on the Hub"
+    """
+    lines = str(error).strip().splitlines() or [""]
+    text = f"{type(error).__name__}: {lines[0]}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def dataset_tag(dataset: str) -> str:
+    """The part of a default output folder's name that names the data: ``embedded``, a
+    Hub id with ``--`` for its slash, or a local folder's name with a short hash of its
+    absolute path (two folders of one name get two output folders). The same data gives
+    the same tag on every run, so that a resumed or requeued run finds its folder again.
+
+    Example:
+        >>> dataset_tag("embedded"), dataset_tag("uoft-cs/cifar100")
+        ('embedded', 'uoft-cs--cifar100')
+        >>> dataset_tag("/data/cifar10") == dataset_tag("/data/../data/cifar10")
+        True
+    """
+    if dataset == EMBEDDED:
+        return EMBEDDED
+    local = Path(dataset).expanduser()
+    if local.exists() or not is_hub_dataset_id(dataset):
+        resolved = str(local.resolve())
+        return f"{local.resolve().name}-{hashlib.sha1(resolved.encode()).hexdigest()[:6]}"
+    return dataset.replace("/", "--")
+
+
+def output_folder(name: str, dataset: str, default_dataset: str, quick: bool) -> str:
+    """The default output folder: ``outputs/NAME`` (``NAME-quick`` under ``--quick``),
+    with :func:`dataset_tag` appended for data other than the recipe's own.
+
+    Example:
+        >>> output_folder("cifar10_resnet18", "uoft-cs/cifar10", "uoft-cs/cifar10", False)
+        'outputs/cifar10_resnet18'
+        >>> output_folder("cifar10_resnet18", "embedded", "uoft-cs/cifar10", True)
+        'outputs/cifar10_resnet18-quick-embedded'
+    """
+    base = f"{name}-quick" if quick else name
+    if dataset != default_dataset:
+        base = f"{base}-{dataset_tag(dataset)}"
+    return os.path.join("outputs", base)
+
+
+# flags that are other names of a field
+FLAG_ALIASES = {"lr": "learning_rate", "epochs": "num_train_epochs"}
+
+
+def given_flags(argv: Sequence[str]) -> frozenset[str]:
+    """The settings a command line sets, as field names (no prefix of a flag is
+    accepted, so every flag names its field).
+
+    Example:
+        >>> sorted(given_flags(["--eval-steps", "5", "--lr=0.1", "x", "--epochs", "2"]))
+        ['eval_steps', 'learning_rate', 'num_train_epochs']
+    """
+    names = (a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--"))
+    return frozenset(FLAG_ALIASES.get(name, name) for name in names)
 
 
 @dataclass(frozen=True)
@@ -206,13 +307,12 @@ def recipe_defaults(config: RecipeConfig) -> dict[str, Any]:
 
     Example:
         >>> defaults = recipe_defaults(RecipeConfig.load("cifar10_resnet18"))
-        >>> defaults["optim"], defaults["learning_rate"], defaults["output_dir"]
-        ('adafisher', 0.012, 'outputs/cifar10_resnet18')
+        >>> defaults["optim"], defaults["learning_rate"], defaults["per_device_train_batch_size"]
+        ('adafisher', 0.012, 512)
     """
     return {
         "dataset": config.dataset,
         "model": config.model,
-        "output_dir": os.path.join("outputs", config.name),
         "optim": "adafisher",
         "learning_rate": 1.2e-2,
         "weight_decay": 5e-4,
@@ -243,19 +343,18 @@ def recipe_defaults(config: RecipeConfig) -> dict[str, Any]:
 def quick_defaults(config: RecipeConfig) -> dict[str, Any]:
     """The defaults ``--quick`` gives on top of :func:`recipe_defaults`: the quick form's
     model (made small by :func:`model_args`), batches of 64 for ``config.quick_steps``
-    steps, into ``outputs/{name}-quick``.
+    steps (into ``outputs/{name}-quick...``: :func:`output_folder`).
 
     Example:
         >>> quick = quick_defaults(RecipeConfig.load("cifar10_resnet18"))
-        >>> quick["model"], quick["per_device_train_batch_size"], quick["output_dir"]
-        ('resnet18_cifar', 64, 'outputs/cifar10_resnet18-quick')
+        >>> quick["model"], quick["per_device_train_batch_size"], quick["max_steps"]
+        ('resnet18_cifar', 64, 300)
     """
     return {
         "model": config.quick_model or config.model,
         "per_device_train_batch_size": 64,
         "per_device_eval_batch_size": 500,
         "max_steps": config.quick_steps,
-        "output_dir": os.path.join("outputs", f"{config.name}-quick"),
     }
 
 
@@ -298,12 +397,17 @@ def parse_args(
         (64, 300)
     """
     # the recipe and --quick first: they give the other flags their defaults
-    head = argparse.ArgumentParser(add_help=False)
+    # no flag is taken for a longer one it begins (argparse's prefix matching): an unknown
+    # flag gets the closest one suggested instead
+    head = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     head.add_argument("--recipe", default=recipe)
     head.add_argument("--quick", nargs="?", const=True, default=False, type=string_to_bool)
+    head.add_argument("--dataset")
     known = head.parse_known_args(argv)[0]
     parser = TriAccelArgumentParser(
-        (RecipeArguments, TriAccelArguments), description="Train a timm image classifier."
+        (RecipeArguments, TriAccelArguments),
+        description="Train a timm image classifier.",
+        allow_abbrev=False,
     )
     try:
         config = RecipeConfig.load(known.recipe) if known.recipe else None
@@ -316,6 +420,8 @@ def parse_args(
         parser.description += " --recipe NAME --help lists a recipe's defaults."
     else:
         defaults = recipe_defaults(config) | (quick_defaults(config) if known.quick else {})
+        dataset = known.dataset or config.dataset
+        defaults["output_dir"] = output_folder(config.name, dataset, config.dataset, known.quick)
         parser.set_defaults(recipe=known.recipe, **defaults)
         length = (
             f"{defaults['max_steps']} steps"
@@ -347,7 +453,7 @@ def check_arguments(recipe_args: RecipeArguments, args: TriAccelArguments) -> No
         dataset == EMBEDDED or Path(dataset).expanduser().exists() or is_hub_dataset_id(dataset)
     ):
         raise ValueError(
-            f"--dataset {dataset!r}: no such file or folder (relative to {Path.cwd()}), and "
+            f"--dataset {path_in_message(dataset)}: no such file or folder, and "
             "not a Hub data set id of the form owner/name (e.g. uoft-cs/cifar10); a local "
             f"folder needs its path, or '{EMBEDDED}' for the slice in the package"
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -162,8 +163,11 @@ def precision_setting(args: TriAccelArguments, controller: Any) -> str:
     )
 
 
-def settings(trainer: TriAccelTrainer) -> dict[str, Any]:
-    """The settings a reader needs to judge and repeat the run."""
+def settings(trainer: TriAccelTrainer, given: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The settings a reader needs to judge and repeat the run, as they ran: the epochs
+    only where they set the length (no ``max_steps``), cuDNN's autotuning only on CUDA,
+    AdaFisher's variant; ``set_on_command_line`` names the settings ``given`` on the
+    command line, every other one being the recipe's default."""
     args = trainer.args
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
     out: dict[str, Any] = {
@@ -176,7 +180,8 @@ def settings(trainer: TriAccelTrainer) -> dict[str, Any]:
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "world_size": args.world_size,
         "total_batch_size": batch * args.world_size,
-        "num_train_epochs": args.num_train_epochs,
+        # the Trainer ignores the epochs when max_steps is set
+        "num_train_epochs": None if args.max_steps > 0 else args.num_train_epochs,
         "max_steps": args.max_steps,
         "precision": precision_setting(args, trainer.precision),
         "label_smoothing": trainer.label_smoothing,
@@ -184,8 +189,9 @@ def settings(trainer: TriAccelTrainer) -> dict[str, Any]:
         if args.device_data_augment
         else "none",
         "seed": args.seed,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark if args.device.type == "cuda" else None,
         "adafisher": None,
+        "set_on_command_line": sorted(given),
     }
     if args.uses_adafisher:
         plugin = args.to_plugin()
@@ -197,9 +203,121 @@ def settings(trainer: TriAccelTrainer) -> dict[str, Any]:
             # the optimizer resolves the default refresh interval from the EMA rule
             "update_every": getattr(optimizer, "update_every", plugin.update_every),
             "ema": plugin.ema,
+            "normalise": plugin.normalise,
+            "factor_init": plugin.factor_init,
+            "variant": adafisher_variant(plugin.ema, plugin.normalise, plugin.factor_init),
             "impl": plugin.impl or "auto",
         }
     return out
+
+
+def adafisher_variant(ema: str, normalise: str, factor_init: str) -> str:
+    """AdaFisher's rule in words, with where it departs from the published algorithm.
+
+    Example:
+        >>> print(adafisher_variant("reference", "absolute", "zeros"))
+        the published EMA rule (ema=reference); this project's variant, not the published \
+algorithm: factor_init="zeros"
+        >>> adafisher_variant("paper", "absolute", "zeros")  # no seed survives the paper rule
+        "the paper's EMA rule (ema=paper), as published"
+    """
+    rule = (
+        "the published EMA rule (ema=reference)"
+        if ema == "reference"
+        else f"the paper's EMA rule (ema={ema})"
+    )
+    ours = []
+    if normalise != "absolute":
+        ours.append(f'normalise="{normalise}"')
+    if ema == "reference" and factor_init != "ones":
+        ours.append(f'factor_init="{factor_init}"')
+    if not ours:
+        return f"{rule}, as published"
+    return f"{rule}; this project's variant, not the published algorithm: {', '.join(ours)}"
+
+
+def true_device(device: str) -> str:
+    """The device as a reader can look it up: a CPU named by its model and the cores this
+    process may use (the report's ``cpu (...)`` often says ``unknown``), a GPU as it is.
+
+    Example:
+        >>> true_device("NVIDIA H200")
+        'NVIDIA H200'
+        >>> true_device("cpu (unknown)").startswith("CPU: ")
+        True
+    """
+    if not device.startswith("cpu"):
+        return device
+    name = platform.processor() or platform.machine() or "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                name = line.split(":", 1)[1].strip()
+                break
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"CPU: {name} ({cores} cores)"
+
+
+def resumed_from(trainer: TriAccelTrainer, report: Mapping[str, Any]) -> dict[str, Any]:
+    """Where a run's steps start and end: ``global_step`` (the model's steps from the
+    start) and ``resumed_from_step`` (the checkpoint's step, 0 for a run from scratch);
+    the time figures cover the steps after it."""
+    total = trainer.state.global_step
+    return {"global_step": total, "resumed_from_step": total - report["optimizer_steps"]}
+
+
+def respect_umask(folder: str | os.PathLike) -> None:
+    """Gives the files in ``folder`` the permissions the user's umask gives new files
+    (safetensors writes its files readable by their owner only), so that a shared or
+    uploaded folder reads as the user's other files do."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in Path(folder).iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~mask)
+
+
+def comparison_table(results: Mapping[str, Any]) -> str:
+    """The run and its baseline side by side, as the console shows them.
+
+    Example:
+        >>> print(comparison_table({
+        ...     "settings": {"optim": "adafisher"}, "eval_accuracy": 0.391,
+        ...     "train_runtime_s": 21.0, "steady_samples_per_second": 900.0,
+        ...     "baseline": {"optim": "adamw_torch_fused", "eval_accuracy": 0.464,
+        ...                  "train_runtime_s": 20.0, "steady_samples_per_second": 950.0},
+        ...     "comparison": {"accuracy_points": -7.3, "train_time_ratio": 1.05}}))
+        optimizer           accuracy  training time  samples/s (steady)
+        adafisher             39.10%         21.0 s               900.0
+        adamw_torch_fused     46.40%         20.0 s               950.0
+        adafisher - adamw_torch_fused: -7.30 accuracy points, 1.050x the training time
+    """
+
+    def row(name: str, figures: Mapping[str, Any]) -> str:
+        accuracy = figures.get("eval_accuracy")
+        speed = figures.get("steady_samples_per_second")
+        accuracy_cell = "n/a" if accuracy is None else f"{100 * accuracy:.2f}%"
+        speed_cell = "n/a" if speed is None else f"{speed:.1f}"
+        return (
+            f"{name:<18} {accuracy_cell:>9} {figures['train_runtime_s']:>12.1f} s {speed_cell:>19}"
+        )
+
+    ours, theirs = results["settings"]["optim"], results["baseline"]["optim"]
+    comparison = results["comparison"]
+    points, ratio = comparison.get("accuracy_points"), comparison.get("train_time_ratio")
+    return "\n".join(
+        [
+            f"{'optimizer':<18} {'accuracy':>9} {'training time':>14} {'samples/s (steady)':>19}",
+            row(ours, results),
+            row(theirs, results["baseline"]),
+            f"{ours} - {theirs}: "
+            + ("n/a" if points is None else f"{points:+.2f}")
+            + " accuracy points, "
+            + ("n/a" if ratio is None else f"{ratio:.3f}x")
+            + " the training time",
+        ]
+    )
 
 
 def emissions(results: dict[str, Any], recipe_args: RecipeArguments) -> dict[str, Any] | None:
@@ -317,8 +435,8 @@ def run_figures(
         "energy": energy,
         "optimizer_steps": report["optimizer_steps"],
         "epochs": trainer.state.epoch,
-        "device": report["device"],
-        "hardware": f"{args.world_size} x {report['device']}",
+        "device": true_device(report["device"]),
+        "hardware": f"{args.world_size} x {true_device(report['device'])}",
         "versions": report["versions"],
         "settings": run_settings,
     }

@@ -43,7 +43,7 @@ import torch
 from transformers import EvalPrediction, TrainerCallback, set_seed
 
 from hf_triaccel import TriAccelArguments, TriAccelTrainer
-from hf_triaccel.data import ImageTensors, load_image_dataset
+from hf_triaccel.data import ImageTensors, is_hub_dataset_id, load_image_dataset
 from hf_triaccel.data.loading import ClassCountError
 from hf_triaccel.integrations.model_card import PushToHubError
 from hf_triaccel.integrations.plots import plot_run
@@ -52,8 +52,13 @@ from hf_triaccel.integrations.timm_models import create_cifar_model, save_model
 
 from recipe_config import (
     BASELINE_OPTIM,
+    EMBEDDED,
     RecipeArguments,
     RecipeConfig,
+    UsageError,
+    first_line,
+    given_flags,
+    hub_unreachable,
     model_args,
     parse_args,
 )
@@ -64,13 +69,17 @@ from recipe_results import (
     RESULTS_NAME,
     baseline_summary,
     compare,
+    comparison_table,
     emissions,
     identity,
     load_results,
     publish,
+    respect_umask,
+    resumed_from,
     run_figures,
     settings,
     timing_figures,
+    true_device,
     write_json,
 )
 
@@ -130,7 +139,13 @@ class RecipeData:
     def load(
         cls, config: RecipeConfig, recipe_args: RecipeArguments, args: TriAccelArguments
     ) -> RecipeData:
-        """Loads the splits, refusing data without the recipe's number of classes."""
+        """Loads the splits.
+
+        Raises:
+            UsageError: data without the recipe's number of classes, or a Hub data set
+                that cannot be loaded (no network: said at once, before ``datasets``
+                retries), with what to run instead.
+        """
         source = recipe_args.dataset
         options = {
             "image_column": recipe_args.image_column,
@@ -138,15 +153,49 @@ class RecipeData:
             "num_classes": config.num_classes,
             "progress": args.process_index == 0,
         }
+        from_hub = is_hub_dataset_id(source) and not Path(source).expanduser().exists()
+        if from_hub and (reason := hub_unreachable()) is not None:
+            raise UsageError(
+                f"--dataset {source}: the Hub cannot be reached ({reason}). "
+                + offline_advice(config)
+            )
         splits = [config.train_split] + ([config.eval_split] if evaluates(args) else [])
         try:
             loaded = [load_image_dataset(source, split, **options) for split in splits]
         except ClassCountError as exc:
-            raise ValueError(
+            raise UsageError(
                 f"recipe {config.name} trains a {config.num_classes}-class {config.title} "
                 f"model: {exc}. Give --dataset a copy of {config.dataset}"
-            ) from exc
+            ) from None
+        except RuntimeError as exc:  # the Hub data set could not be loaded
+            if not from_hub:
+                raise
+            cause = first_line(exc.__cause__ or exc)
+            raise UsageError(
+                f"--dataset {source}: could not load it from the Hub ({cause}). "
+                f"Check the id and the network. {offline_advice(config)}"
+            ) from None
         return cls(loaded[0], loaded[1] if len(loaded) > 1 else None, identity(config, recipe_args))
+
+
+def offline_advice(config: RecipeConfig) -> str:
+    """What trains without the network: the embedded CIFAR-10 slice under ``--quick``, or a
+    local copy of the data.
+
+    Example:
+        >>> print(offline_advice(RecipeConfig.load("cifar10_resnet18")))  # doctest: +ELLIPSIS
+        Without a network, --dataset embedded --quick trains on the CIFAR-10 slice in the ...
+    """
+    local = f"a local folder of {config.dataset}'s parquet files works as --dataset too"
+    if config.num_classes == 10:
+        return (
+            f"Without a network, --dataset {EMBEDDED} --quick trains on the CIFAR-10 slice in "
+            f"the package (a few minutes on a CPU); {local}"
+        )
+    return (
+        f"Without a network, {local}; `python recipes/cifar10_resnet18.py --dataset "
+        f"{EMBEDDED} --quick` trains a CIFAR-10 model on the slice in the package"
+    )
 
 
 def evaluates(args: TriAccelArguments) -> bool:
@@ -164,19 +213,26 @@ class RunOutcome:
 
 
 def planned_steps(args: TriAccelArguments, train_samples: int) -> int:
-    """The optimizer steps the Trainer will take: ``max_steps``, else the epochs' steps
-    (the last batch of an epoch kept, as the Trainer keeps it).
+    """The optimizer steps the Trainer will take: ``max_steps``, else the epochs' steps,
+    counted as the Trainer counts them: an epoch's last, smaller batch skipped under
+    ``dataloader_drop_last``, an epoch's last accumulation of fewer batches kept.
 
     Example:
         >>> args = TriAccelArguments(output_dir="out", per_device_train_batch_size=64,
         ...                          num_train_epochs=2, use_cpu=True)
         >>> planned_steps(args, 5000)
         158
+        >>> args = TriAccelArguments(output_dir="out", per_device_train_batch_size=64,
+        ...                          num_train_epochs=2, use_cpu=True, dataloader_drop_last=True)
+        >>> planned_steps(args, 5000)
+        156
     """
     if args.max_steps > 0:
         return args.max_steps
-    batches = math.ceil(train_samples / (args.per_device_train_batch_size * args.world_size))
-    per_epoch = max(batches // args.gradient_accumulation_steps, 1)
+    per_process = math.ceil(train_samples / args.world_size)
+    batch = args.per_device_train_batch_size
+    batches = per_process // batch if args.dataloader_drop_last else math.ceil(per_process / batch)
+    per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)
     return math.ceil(args.num_train_epochs * per_epoch)
 
 
@@ -296,10 +352,17 @@ def cudnn_autotuning(on: bool) -> Iterator[None]:
 
 
 def train_and_evaluate(
-    config: RecipeConfig, recipe_args: RecipeArguments, args: TriAccelArguments, data: RecipeData
+    config: RecipeConfig,
+    recipe_args: RecipeArguments,
+    args: TriAccelArguments,
+    data: RecipeData,
+    given: frozenset[str] = frozenset(),
 ) -> RunOutcome | None:
     """Trains one model, evaluates it (unless ``--eval_strategy no``), and writes its
     model, ``history.json`` and efficiency report into ``args.output_dir``.
+
+    ``given`` names the settings set on the command line (the others are the recipe's
+    defaults), for the results and the card.
 
     Every batch has one shape (whole batches only, evaluation batches that divide the test
     set), so cuDNN's autotuning is on: each convolution's algorithms are timed once per
@@ -310,11 +373,15 @@ def train_and_evaluate(
         The run's outcome on the main process, ``None`` on the others.
     """
     with cudnn_autotuning(not args.full_determinism):
-        return _train_and_evaluate(config, recipe_args, args, data)
+        return _train_and_evaluate(config, recipe_args, args, data, given)
 
 
 def _train_and_evaluate(
-    config: RecipeConfig, recipe_args: RecipeArguments, args: TriAccelArguments, data: RecipeData
+    config: RecipeConfig,
+    recipe_args: RecipeArguments,
+    args: TriAccelArguments,
+    data: RecipeData,
+    given: frozenset[str],
 ) -> RunOutcome | None:
     set_seed(args.seed)  # the same initial weights for a run and its baseline
     model = create_cifar_model(
@@ -351,10 +418,11 @@ def _train_and_evaluate(
         std=std,
         input_size=(3, *data.train.images.shape[2:]),
     )
-    report = history.report
+    respect_umask(out)
+    report = {**history.report, "device": true_device(history.report["device"])}
     write_json(report, out / REPORT_NAME)
     write_json(history.entries, out / HISTORY_NAME)
-    run_settings = settings(trainer)
+    run_settings = settings(trainer, given)
     timing = timing_figures(
         report,
         history.entries,
@@ -380,6 +448,7 @@ def _train_and_evaluate(
         "eval_accuracy": metrics.get("eval_accuracy"),
         "eval_loss": metrics.get("eval_loss"),
         **run_figures(report, trainer, args, timing, run_energy, run_settings),
+        **resumed_from(trainer, report),
         "definitions": DEFINITIONS,
         "output_dir": str(out),
     }
@@ -417,6 +486,7 @@ def run_recipe(argv: list[str] | None = None, recipe: str | None = None) -> dict
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     config, recipe_args, args = parse_args(argv, recipe=recipe)
+    given = given_flags(argv)
     push = args.push_to_hub
     # The Trainer would create the Hub repository when it starts: the push happens here
     # instead, once every output is written.
@@ -426,7 +496,7 @@ def run_recipe(argv: list[str] | None = None, recipe: str | None = None) -> dict
     baseline = None
     if recipe_args.baseline:
         baseline_args = baseline_arguments(args, recipe_args)
-        outcome = train_and_evaluate(config, recipe_args, baseline_args, data)
+        outcome = train_and_evaluate(config, recipe_args, baseline_args, data, given)
         if outcome is not None:
             outcome.results["co2"] = emissions(outcome.results, recipe_args)
             write_json(outcome.results, Path(baseline_args.output_dir) / RESULTS_NAME)
@@ -438,7 +508,7 @@ def run_recipe(argv: list[str] | None = None, recipe: str | None = None) -> dict
     elif recipe_args.compare_to:
         baseline = load_results(recipe_args.compare_to)
 
-    run = train_and_evaluate(config, recipe_args, args, data)
+    run = train_and_evaluate(config, recipe_args, args, data, given)
     if run is None:
         return None
     results = run.results
@@ -459,6 +529,8 @@ def run_recipe(argv: list[str] | None = None, recipe: str | None = None) -> dict
             precision_events=run.precision_events,
             last_step=results["optimizer_steps"],
         )
+    if results["comparison"] is not None:  # on the console too, before any upload
+        print(comparison_table(results), flush=True)
     publish(results, args, push, f"accuracy {results['eval_accuracy']}")
     return results
 
@@ -466,10 +538,14 @@ def run_recipe(argv: list[str] | None = None, recipe: str | None = None) -> dict
 def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     """The entry point: runs the recipe (``recipe``, else the one ``--recipe`` names),
     returns the exit status (1 when ``--push_to_hub`` failed, the reason printed; the
-    outputs stay; 2 for a flag that cannot work, said in one line)."""
+    outputs stay; 2 for a flag or data that cannot work, said in one line)."""
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
         run_recipe(argv, recipe)
+    except UsageError as exc:
+        script = f"{recipe}.py" if recipe else Path(sys.argv[0]).name
+        print(f"{script}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     except PushToHubError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -24,15 +24,25 @@ once at the end. A run writes into ``output_dir``:
   entry with its step, tokens and times) and ``results.json`` (perplexities, the
   perplexity-against-time ``curve``, time figures, settings, the command);
 - ``loss.png`` (and ``memory.png`` on a GPU) and the model card ``README.md``;
-- with ``--baseline``, the AdamW (fused) run of the same command in ``output_dir/baseline``.
+- with ``--baseline``, the AdamW (fused) run of the same command in ``output_dir/baseline``,
+  and both runs side by side on the console.
 
 ``--runs_file FILE`` appends every finished run to a JSON-lines file and skips a run whose
 settings are already there, so that a grid of commands can be run again after an
 interruption and only trains what is missing.
+
+``--quick`` is the form sized for a CPU (``wikitext2_plan.py``: a small model over the
+most frequent words, a few hundred steps, after the AdamW baseline); ``--muon`` trains
+Muon on the hidden matrices and AdamW on the rest (``muon_split.py``).
+
+Over 1,000 lines: one command line (its flags and their checks), its data, its run, its
+runs file and its comparison, each needing the others' names; the plan and the Muon arm
+live in their own files.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import gc
@@ -55,6 +65,7 @@ from transformers import (
     TrainerCallback,
     set_seed,
 )
+from transformers.hf_argparser import string_to_bool
 
 from hf_triaccel import TriAccelArguments, TriAccelTrainer
 from hf_triaccel.data.loading import is_hub_dataset_id
@@ -73,7 +84,16 @@ from hf_triaccel.integrations.plots import plot_run
 from hf_triaccel.integrations.telemetry import REPORT_NAME
 from hf_triaccel.integrations.trainer_args import TriAccelArgumentParser, resolve_learning_rate
 
-from recipe_config import BASELINE_OPTIM, ReportArguments
+from muon_split import ADJUST_LR, MuonWithAdamW, hidden_matrices
+from recipe_config import (
+    BASELINE_OPTIM,
+    ReportArguments,
+    UsageError,
+    first_line,
+    given_flags,
+    hub_unreachable,
+    output_folder,
+)
 from recipe_energy import EnergyMeter, total_energy
 from recipe_results import (
     DEFINITIONS,
@@ -81,22 +101,32 @@ from recipe_results import (
     RESULTS_NAME,
     emissions,
     publish,
+    respect_umask,
+    resumed_from,
     run_figures,
     settings,
     timing_figures,
+    true_device,
     write_json,
 )
+from wikitext2_plan import plan_message, probe_seconds, quick_defaults
 
 logger = logging.getLogger("recipes")
 
 
-class UsageError(ValueError):
-    """Data the recipe cannot train on, found before any training: one line on the
-    command line."""
-
-
 RECIPE = "wikitext2_gpt2"
 SCRIPT = "recipes/wikitext2_gpt2.py"
+DEFAULT_DATASET = ("Salesforce/wikitext", "wikitext-2-v1")
+# the AdamW variants that can step the rest of the model beside Muon
+MUON_REST = ("adamw_torch", BASELINE_OPTIM)
+# Muon's learning rates until the recipe's grid chooses them: under match_rms_adamw a
+# matrix's update has an AdamW update's RMS, so its rate sits on AdamW's scale
+MUON_LR = 1e-3
+OFFLINE_ADVICE = (
+    "Without a network, give --dataset a local folder of the splits' parquet files (a copy "
+    "of Salesforce/wikitext, configuration wikitext-2-v1); with it, --quick trains the form "
+    "of this recipe sized for a CPU"
+)
 BASELINE_DIR = "baseline"
 SPLITS = ("train", "validation", "test")
 TEXT_DEFINITIONS = {
@@ -182,8 +212,53 @@ class TextRecipeArguments(ReportArguments):
     dry_run: bool = field(
         default=False,
         metadata={
-            "help": "Read the data, build the vocabulary and the model, print their sizes "
-            "and exit without training."
+            "help": "Read the data, build the vocabulary and the model, print the plan (on "
+            "a CPU with the time it would take) and exit without training."
+        },
+    )
+    quick: bool = field(
+        default=False,
+        metadata={
+            "help": "The recipe's quick form, sized for a CPU: a 2-layer, 128-wide model over "
+            "the 4,096 most frequent words, 200 steps of 512 tokens, evaluations on the first "
+            "16,384 tokens of each split, after the AdamW baseline (--baseline false to skip "
+            "it); outputs in outputs/wikitext2_gpt2-quick. Any flag still wins."
+        },
+    )
+    max_vocab: int | None = field(
+        default=None,
+        metadata={
+            "help": "Keep the this many most frequent words of the training split in the "
+            "vocabulary, every other word becoming <unk>; default: every word."
+        },
+    )
+    max_eval_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluate on the first this many tokens of the validation and test splits "
+            "(whole blocks); default: the whole splits."
+        },
+    )
+    muon: bool = field(
+        default=False,
+        metadata={
+            "help": "Muon (torch.optim.Muon) on the hidden weight matrices, at --learning_rate "
+            f"(default {MUON_LR:g} under --muon); AdamW (--optim, default {BASELINE_OPTIM}) on "
+            "the embeddings, output layer, norms and biases, at --muon_adamw_lr."
+        },
+    )
+    muon_adamw_lr: float = field(
+        default=3e-4, metadata={"help": "Under --muon: the AdamW part's learning rate."}
+    )
+    muon_momentum: float = field(
+        default=0.95, metadata={"help": "Under --muon: Muon's (Nesterov) momentum."}
+    )
+    muon_adjust_lr: str = field(
+        default="match_rms_adamw",
+        metadata={
+            "help": "Under --muon: torch.optim.Muon's adjust_lr_fn, one of "
+            f"{', '.join(ADJUST_LR)} (match_rms_adamw treats a matrix and its transpose alike: "
+            "GPT-2 stores its weights as (in, out))."
         },
     )
 
@@ -226,14 +301,21 @@ def recipe_defaults() -> dict[str, Any]:
     }
 
 
-def build_parser(prog: str | None = None) -> TriAccelArgumentParser:
+def build_parser(prog: str | None = None, argv: list[str] = ()) -> TriAccelArgumentParser:
     """The command line: :class:`TextRecipeArguments`, every ``TriAccelArguments`` field
-    with the recipe's defaults, and ``--lr`` for ``--learning_rate``; errors are one line
-    naming the flag."""
+    with the recipe's defaults (the quick form's under ``--quick`` in ``argv``; the output
+    folder named after the data), and ``--lr`` for ``--learning_rate``; errors are one
+    line naming the flag, and no flag is taken for a longer one it begins."""
+    head = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    head.add_argument("--quick", nargs="?", const=True, default=False, type=string_to_bool)
+    head.add_argument("--dataset", default=DEFAULT_DATASET[0])
+    head.add_argument("--dataset_config", default=DEFAULT_DATASET[1])
+    known = head.parse_known_args(argv)[0]
     parser = TriAccelArgumentParser(
         (TextRecipeArguments, TriAccelArguments),
         prog=Path(prog or SCRIPT).name,
         description="Train a GPT-2-style causal language model on WikiText-2 with hf_triaccel.",
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--lr",
@@ -241,7 +323,12 @@ def build_parser(prog: str | None = None) -> TriAccelArgumentParser:
         type=float,
         help="Same as --learning_rate (default: the optimizer's own).",
     )
-    parser.set_defaults(**recipe_defaults())
+    defaults = recipe_defaults() | (quick_defaults() if known.quick else {})
+    data = known.dataset
+    if known.dataset_config != DEFAULT_DATASET[1] and not Path(data).expanduser().is_dir():
+        data = f"{data}-{known.dataset_config}"
+    defaults["output_dir"] = output_folder(RECIPE, data, DEFAULT_DATASET[0], known.quick)
+    parser.set_defaults(**defaults)
     return parser
 
 
@@ -254,11 +341,39 @@ def parse_args(
         SystemExit: a bad flag or value, a missing data folder or split (status 2, after
             one line naming the flag).
     """
-    parser = build_parser(prog)
+    parser = build_parser(prog, argv)
     recipe_args, args = parser.parse_args_into_dataclasses(args=argv)
     for name in ("block_size", "n_layer", "n_head", "n_embd", "max_tokens", "eval_every_tokens"):
         if getattr(recipe_args, name) < 1:
             parser.error(f"--{name} {getattr(recipe_args, name)}: needs a positive integer")
+    if recipe_args.max_vocab is not None and recipe_args.max_vocab < 1:
+        parser.error(f"--max_vocab {recipe_args.max_vocab}: needs a positive integer")
+    if (
+        recipe_args.max_eval_tokens is not None
+        and recipe_args.max_eval_tokens < recipe_args.block_size
+    ):
+        parser.error(
+            f"--max_eval_tokens {recipe_args.max_eval_tokens}: needs at least one block of "
+            f"--block_size {recipe_args.block_size} tokens"
+        )
+    if recipe_args.muon:
+        given = given_flags(argv)
+        optim = str(getattr(args.optim, "value", args.optim))
+        if "optim" not in given:
+            args = dataclasses.replace(args, optim=BASELINE_OPTIM)
+        elif optim not in MUON_REST:
+            parser.error(
+                f"--optim {optim} with --muon: the rest of the model takes AdamW, one of "
+                f"{', '.join(MUON_REST)}"
+            )
+        if "learning_rate" not in given:
+            args = dataclasses.replace(args, learning_rate=MUON_LR)
+        if recipe_args.muon_adjust_lr not in ADJUST_LR:
+            parser.error(
+                f"--muon_adjust_lr {recipe_args.muon_adjust_lr}: one of {', '.join(ADJUST_LR)}"
+            )
+        if not 0 <= recipe_args.muon_momentum < 1:
+            parser.error(f"--muon_momentum {recipe_args.muon_momentum:g}: needs 0 <= momentum < 1")
     if recipe_args.n_embd % recipe_args.n_head:
         parser.error(
             f"--n_embd {recipe_args.n_embd} is not a multiple of --n_head {recipe_args.n_head}"
@@ -283,20 +398,35 @@ class TextData:
 
     @classmethod
     @functools.lru_cache(maxsize=1)
-    def load(cls, dataset: str, config_name: str, block_size: int) -> TextData:
+    def load(
+        cls, dataset: str, config_name: str, block_size: int, max_vocab: int | None = None
+    ) -> TextData:
         """Reads the splits, builds the vocabulary of the training split, packs each split.
         The last data set stays cached: the runs of a grid in one process read it once.
 
         Raises:
             UsageError: data without a split or its text column, or too short for a block.
         """
+        from_hub = not Path(dataset).expanduser().is_dir()
+        if from_hub and (reason := hub_unreachable()) is not None:
+            raise UsageError(
+                f"--dataset {dataset}: the Hub cannot be reached ({reason}). {OFFLINE_ADVICE}"
+            )
         try:
             lines = {
                 split: load_text_split(dataset, split, config_name=config_name) for split in SPLITS
             }
         except (ValueError, FileNotFoundError) as exc:
             raise UsageError(f"--dataset {dataset}: {exc}") from None
-        words = word_level_tokenizer(lines["train"])
+        # the Hub client raises many types (connection, offline mode, unknown id)
+        except Exception as exc:
+            if not from_hub:
+                raise
+            raise UsageError(
+                f"--dataset {dataset}: could not load it from the Hub ({first_line(exc)}). "
+                f"Check the id and the network. {OFFLINE_ADVICE}"
+            ) from None
+        words = word_level_tokenizer(lines["train"], max_vocab)
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_object=words,
             unk_token=UNK,
@@ -321,9 +451,21 @@ class TextData:
                 raise UsageError(f"split {split!r}: {exc} (--block_size)") from None
         return cls(tokenizer, blocks, tokens)
 
-    def dataset(self, split: str):
-        """A split as the Trainer's data set (``input_ids`` and ``labels``)."""
-        return causal_lm_dataset(self.blocks[split])
+    def dataset(self, split: str, max_tokens: int | None = None):
+        """A split as the Trainer's data set (``input_ids`` and ``labels``): its first
+        ``max_tokens`` tokens in whole blocks, or all of it."""
+        return causal_lm_dataset(self.blocks[split][: self.block_count(split, max_tokens)])
+
+    def block_count(self, split: str, max_tokens: int | None = None) -> int:
+        """The blocks of a split that :meth:`dataset` gives."""
+        blocks = self.blocks[split]
+        return (
+            len(blocks) if max_tokens is None else min(len(blocks), max_tokens // blocks.shape[1])
+        )
+
+    def evaluated_tokens(self, split: str, max_tokens: int | None = None) -> int:
+        """The tokens of a split an evaluation reads (whole blocks)."""
+        return self.block_count(split, max_tokens) * self.blocks[split].shape[1]
 
 
 def build_model(recipe_args: TextRecipeArguments, vocab_size: int, eos: int) -> GPT2LMHeadModel:
@@ -364,16 +506,6 @@ def tokens_per_step(recipe_args: TextRecipeArguments, args: TriAccelArguments) -
         * args.gradient_accumulation_steps
         * args.world_size
     )
-
-
-def given_flags(argv: list[str]) -> set[str]:
-    """The flags on a command line, as field names.
-
-    Example:
-        >>> sorted(given_flags(["--eval-steps", "5", "--lr=0.1", "x"]))
-        ['eval_steps', 'lr']
-    """
-    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
 def schedule(
@@ -481,11 +613,14 @@ def time_to(points: list[dict[str, Any]], target: float | None) -> float | None:
     return next((p["train_time_s"] for p in points if p["eval_perplexity"] <= target), None)
 
 
-def run_key(recipe_args: TextRecipeArguments, args: TriAccelArguments) -> dict[str, Any]:
+def run_key(
+    recipe_args: TextRecipeArguments, args: TriAccelArguments, muon: bool = False
+) -> dict[str, Any]:
     """What makes two runs the same run for ``--runs_file``: the optimizer with its
-    resolved settings, the model, data, budget, batch, schedule and seed."""
+    resolved settings (``muon``: Muon's beside the AdamW part's), the model, data,
+    budget, batch, schedule and seed."""
     key: dict[str, Any] = {
-        "optim": str(getattr(args.optim, "value", args.optim)),
+        "optim": "muon" if muon else str(getattr(args.optim, "value", args.optim)),
         "learning_rate": resolve_learning_rate(args),
         "weight_decay": args.weight_decay,
         "model": [recipe_args.n_layer, recipe_args.n_head, recipe_args.n_embd],
@@ -512,7 +647,42 @@ def run_key(recipe_args: TextRecipeArguments, args: TriAccelArguments) -> dict[s
         }
         if plugin.ema == "reference":  # the paper rule's normalisation removes any seed
             key["adafisher"]["factor_init"] = plugin.factor_init
+    if muon:
+        key["muon"] = muon_settings(recipe_args, args)
+    if recipe_args.max_eval_tokens is not None:
+        key["max_eval_tokens"] = recipe_args.max_eval_tokens
     return key
+
+
+def muon_settings(recipe_args: TextRecipeArguments, args: TriAccelArguments) -> dict[str, Any]:
+    """The Muon arm's settings: its learning rate, momentum and scaling, and the AdamW
+    part's optimizer and learning rate."""
+    return {
+        "lr": resolve_learning_rate(args),
+        "momentum": recipe_args.muon_momentum,
+        "adjust_lr": recipe_args.muon_adjust_lr,
+        "adamw": str(getattr(args.optim, "value", args.optim)),
+        "adamw_lr": recipe_args.muon_adamw_lr,
+    }
+
+
+def muon_optimizer(
+    recipe_args: TextRecipeArguments, args: TriAccelArguments, model: GPT2LMHeadModel
+) -> tuple[type, dict[str, Any]]:
+    """The Trainer's ``optimizer_cls_and_kwargs`` of the Muon arm: Muon on the hidden
+    matrices at the run's learning rate, AdamW (fused when ``--optim`` says so) on the
+    rest at ``--muon_adamw_lr``, with the run's AdamW betas and epsilon."""
+    fused = str(getattr(args.optim, "value", args.optim)) == BASELINE_OPTIM
+    return MuonWithAdamW, {
+        "matrices": [p for _, p in hidden_matrices(model)],
+        "lr": resolve_learning_rate(args),
+        "adamw_lr": recipe_args.muon_adamw_lr,
+        "momentum": recipe_args.muon_momentum,
+        "adjust_lr": recipe_args.muon_adjust_lr,
+        "betas": (args.adam_beta1, args.adam_beta2),
+        "eps": args.adam_epsilon,
+        "fused": fused or None,
+    }
 
 
 def recorded(runs_file: str | None, key: dict[str, Any]) -> bool:
@@ -570,10 +740,18 @@ class RunOutcome:
 
 
 def train_and_evaluate(
-    recipe_args: TextRecipeArguments, args: TriAccelArguments, data: TextData
+    recipe_args: TextRecipeArguments,
+    args: TriAccelArguments,
+    data: TextData,
+    *,
+    muon: bool = False,
+    given: frozenset[str] = frozenset(),
+    plan: str | None = None,
 ) -> RunOutcome | None:
-    """Trains one model, evaluates it on the validation and test splits, and writes its
-    model, tokenizer, ``history.json`` and efficiency report into ``args.output_dir``.
+    """Trains one model (``muon``: the Muon arm), evaluates it on the validation and test
+    splits, and writes its model, tokenizer, ``history.json`` and efficiency report into
+    ``args.output_dir``; ``given`` names the settings set on the command line and
+    ``plan`` is the plan logged before training, for the results.
 
     Returns:
         The run's outcome on the main process, ``None`` on the others.
@@ -581,11 +759,13 @@ def train_and_evaluate(
     set_seed(args.seed)  # the same initial weights for a run and its baseline
     model = build_model(recipe_args, len(data.tokenizer), data.tokenizer.eos_token_id)
     per_step = tokens_per_step(recipe_args, args)
+    limit = recipe_args.max_eval_tokens
     trainer = TriAccelTrainer(
         model=model,
         args=args,
         train_dataset=data.dataset("train"),
-        eval_dataset=data.dataset("validation"),
+        eval_dataset=data.dataset("validation", limit),
+        optimizer_cls_and_kwargs=muon_optimizer(recipe_args, args, model) if muon else None,
         # no processing_class: the Trainer would copy the tokenizer's padding token into
         # the model's config (see build_model); the tokenizer is saved beside the model
     )
@@ -596,21 +776,31 @@ def train_and_evaluate(
     last = next((e for e in reversed(history.entries) if "eval_loss" in e), None)
     at_end = last is not None and last["step"] == trainer.state.global_step
     validation = last if at_end else trainer.evaluate()
-    test = trainer.evaluate(data.dataset("test"), metric_key_prefix="test")
+    test = trainer.evaluate(data.dataset("test", limit), metric_key_prefix="test")
     run_energy = total_energy(trainer, meter)
     if not trainer.is_world_process_zero():
         return None
     out = Path(args.output_dir)
     trainer.save_model(str(out))
     data.tokenizer.save_pretrained(out)
-    report = history.report
+    respect_umask(out)
     # the report as training ended: save_model's would also count the final evaluations
+    report = {**history.report, "device": true_device(history.report["device"])}
     write_json(report, out / REPORT_NAME)
     write_json(history.entries, out / HISTORY_NAME)
-    run_settings = settings(trainer)
+    run_settings = settings(trainer, given)
     run_settings["learning_rate"] = trainer.triaccel_settings["learning_rate"]
     run_settings["max_grad_norm"] = args.max_grad_norm
     run_settings["augmentation"] = None
+    run_settings["muon"] = None
+    if muon:
+        run_settings["optim"] = "muon"
+        run_settings["muon"] = {
+            **muon_settings(recipe_args, args),
+            "matrices": [name for name, _ in hidden_matrices(model)],
+            "variant": "torch.optim.Muon on the hidden weight matrices; AdamW on the "
+            "embeddings, the output layer, norms and biases",
+        }
     timing = timing_figures(
         report,
         history.entries,
@@ -632,6 +822,7 @@ def train_and_evaluate(
             "vocab_size": len(data.tokenizer),
             "dropout": recipe_args.dropout,
             "parameters": parameter_count(model),
+            "max_vocab": recipe_args.max_vocab,
         },
         "dataset": recipe_args.dataset,
         "dataset_config": None
@@ -643,8 +834,16 @@ def train_and_evaluate(
         "test_split": "test",
         "block_size": recipe_args.block_size,
         "train_tokens": data.tokens["train"],
-        "eval_tokens": data.tokens["validation"],
-        "test_tokens": data.tokens["test"],
+        # the splits' tokens, or under --max_eval_tokens the tokens of the whole blocks read
+        "eval_tokens": data.tokens["validation"]
+        if limit is None
+        else data.evaluated_tokens("validation", limit),
+        "test_tokens": data.tokens["test"]
+        if limit is None
+        else data.evaluated_tokens("test", limit),
+        "split_tokens": {"validation": data.tokens["validation"], "test": data.tokens["test"]},
+        "quick": recipe_args.quick,
+        "plan": plan,
         "tokens_per_step": per_step,
         "eval_every_tokens": args.eval_steps * per_step if args.eval_steps >= 1 else None,
         "tokens_trained": report["optimizer_steps"] * per_step,
@@ -656,6 +855,7 @@ def train_and_evaluate(
         "curve": points,
         "tokens_per_second": None if steady is None else round(steady * recipe_args.block_size),
         **run_figures(report, trainer, args, timing, run_energy, run_settings),
+        **resumed_from(trainer, report),
         "definitions": TEXT_DEFINITIONS,
         "output_dir": str(out),
     }
@@ -735,14 +935,21 @@ def baseline_arguments(args: TriAccelArguments, recipe_args: TextRecipeArguments
 
 
 def run_one(
-    recipe_args: TextRecipeArguments, args: TriAccelArguments, data: TextData
+    recipe_args: TextRecipeArguments,
+    args: TriAccelArguments,
+    data: TextData,
+    *,
+    muon: bool = False,
+    given: frozenset[str] = frozenset(),
+    plan: str | None = None,
 ) -> RunOutcome | None:
-    """Trains one run unless ``--runs_file`` already has it; records it there after."""
-    key = run_key(recipe_args, args)
+    """Trains one run (see :func:`train_and_evaluate`) unless ``--runs_file`` already has
+    it; records it there after."""
+    key = run_key(recipe_args, args, muon)
     if recorded(recipe_args.runs_file, key):
         logger.info("%s: already in %s, skipped", key["optim"], recipe_args.runs_file)
         return None
-    outcome = train_and_evaluate(recipe_args, args, data)
+    outcome = train_and_evaluate(recipe_args, args, data, muon=muon, given=given, plan=plan)
     if outcome is not None:
         outcome.results["co2"] = emissions(outcome.results, recipe_args)
         if recipe_args.runs_file is not None:
@@ -771,26 +978,26 @@ def run_recipe(argv: list[str], prog: str | None = None) -> dict[str, Any] | Non
         PushToHubError: ``--push_to_hub`` failed; every output is already written.
     """
     recipe_args, args = parse_args(argv, prog)
+    given = given_flags(argv)
     push = args.push_to_hub
     # the Trainer would create the Hub repository when it starts: the push happens here
     # instead, once every output is written
-    args = schedule(recipe_args, dataclasses.replace(args, push_to_hub=False), given_flags(argv))
-    data = TextData.load(recipe_args.dataset, recipe_args.dataset_config, recipe_args.block_size)
+    args = schedule(recipe_args, dataclasses.replace(args, push_to_hub=False), given)
+    data = TextData.load(
+        recipe_args.dataset,
+        recipe_args.dataset_config,
+        recipe_args.block_size,
+        recipe_args.max_vocab,
+    )
+    plan = announce_plan(recipe_args, args, data)
     if recipe_args.dry_run:
-        model = build_model(recipe_args, len(data.tokenizer), data.tokenizer.eos_token_id)
-        print(
-            f"vocabulary {len(data.tokenizer)}; tokens {data.tokens}; model "
-            f"{recipe_args.n_layer} layers x {recipe_args.n_head} heads x {recipe_args.n_embd} "
-            f"wide, {parameter_count(model):,} parameters; {args.max_steps} steps of "
-            f"{tokens_per_step(recipe_args, args):,} tokens, evaluation every "
-            f"{args.eval_steps} steps"
-        )
+        print(f"vocabulary {len(data.tokenizer)}; tokens {data.tokens}; {plan}")
         return None
 
     baseline = None
     if recipe_args.baseline:
         baseline_args = baseline_arguments(args, recipe_args)
-        outcome = run_one(recipe_args, baseline_args, data)
+        outcome = run_one(recipe_args, baseline_args, data, given=given, plan=plan)
         if outcome is not None:
             write_json(outcome.results, Path(baseline_args.output_dir) / RESULTS_NAME)
             baseline = outcome
@@ -799,7 +1006,7 @@ def run_recipe(argv: list[str], prog: str | None = None) -> dict[str, Any] | Non
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    run = run_one(recipe_args, args, data)
+    run = run_one(recipe_args, args, data, muon=recipe_args.muon, given=given, plan=plan)
     if run is None:
         return None
     results = run.results
@@ -815,8 +1022,80 @@ def run_recipe(argv: list[str], prog: str | None = None) -> dict[str, Any] | Non
         f"validation perplexity {results['eval_perplexity']:.2f}, "
         f"test {results['test_perplexity']:.2f}"
     )
+    if baseline is not None:  # on the console too, before any upload
+        print(comparison_table(results), flush=True)
     publish(results, args, push, outcome)
     return results
+
+
+def announce_plan(recipe_args: TextRecipeArguments, args: TriAccelArguments, data: TextData) -> str:
+    """Says, before training, what the command will train and, on a CPU, about how long
+    it takes (:func:`~wikitext2_plan.probe_seconds` on the model); logged on the main
+    process, and returned."""
+    model = build_model(recipe_args, len(data.tokenizer), data.tokenizer.eos_token_id)
+    per_step = tokens_per_step(recipe_args, args)
+    blocks = data.block_count("validation", recipe_args.max_eval_tokens)
+    timing = None
+    if args.device.type == "cpu":
+        step_s, block_s = probe_seconds(
+            model, recipe_args.block_size, args.per_device_train_batch_size
+        )
+        timing = (step_s * args.gradient_accumulation_steps, block_s, blocks)
+    message = plan_message(
+        steps=args.max_steps,
+        tokens_per_step=per_step,
+        train_tokens=data.tokens["train"],
+        eval_tokens=blocks * recipe_args.block_size,
+        eval_steps=args.eval_steps,
+        parameters=parameter_count(model),
+        shape=f"{recipe_args.n_layer} layers x {recipe_args.n_embd}, {recipe_args.n_head} heads",
+        device=args.device.type,
+        runs=2 if recipe_args.baseline else 1,
+        quick=recipe_args.quick,
+        timing=timing,
+    )
+    if args.process_index == 0:
+        logger.info("%s", message)
+    return message
+
+
+def comparison_table(results: dict[str, Any]) -> str:
+    """The run and its baseline side by side, as the console shows them.
+
+    Example:
+        >>> print(comparison_table({
+        ...     "settings": {"optim": "adafisherw"}, "eval_perplexity": 410.2,
+        ...     "test_perplexity": 400.0, "train_runtime_s": 30.0, "tokens_per_second": 2000,
+        ...     "baseline": {"optim": "adamw_torch_fused", "eval_perplexity": 450.0,
+        ...                  "test_perplexity": 440.1, "train_runtime_s": 25.0,
+        ...                  "tokens_per_second": 2400},
+        ...     "comparison": {"target_perplexity": 450.0, "time_to_target_ratio": 0.5}}))
+        optimizer          validation ppl   test ppl  training time  tokens/s
+        adafisherw                 410.20     400.00         30.0 s      2000
+        adamw_torch_fused          450.00     440.10         25.0 s      2400
+        time to the baseline's best validation perplexity (450.00): 0.500x the baseline's
+    """
+
+    def row(name: str, r: dict[str, Any]) -> str:
+        speed = r.get("tokens_per_second")
+        return (
+            f"{name:<18} {r['eval_perplexity']:>14.2f} {r['test_perplexity']:>10.2f} "
+            f"{r['train_runtime_s']:>12.1f} s {'n/a' if speed is None else speed:>9}"
+        )
+
+    comparison = results["comparison"]
+    ratio = comparison.get("time_to_target_ratio")
+    reached = "not reached" if ratio is None else f"{ratio:.3f}x the baseline's"
+    return "\n".join(
+        [
+            f"{'optimizer':<18} {'validation ppl':>14} {'test ppl':>10} {'training time':>14} "
+            f"{'tokens/s':>9}",
+            row(results["settings"]["optim"], results),
+            row(results["baseline"]["optim"], results["baseline"]),
+            f"time to the baseline's best validation perplexity "
+            f"({comparison['target_perplexity']:.2f}): {reached}",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -827,7 +1106,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         run_recipe(list(sys.argv[1:] if argv is None else argv), prog)
     except UsageError as exc:
-        print(f"{Path(prog or SCRIPT).name}: error: {exc}", file=sys.stderr)
+        print(f"{Path(prog or SCRIPT).name}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except PushToHubError as exc:
         print(f"error: {exc}", file=sys.stderr)

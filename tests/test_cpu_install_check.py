@@ -56,3 +56,25 @@ def test_a_cuda_build_or_a_mismatched_torchvision_fails_the_check():
     assert tool.verdict(cuda).endswith(
         "torch.version.cuda is 13.0; nvidia distributions installed: nvidia-cublas"
     )
+
+
+def test_a_torchvision_built_for_another_torch_gets_the_fix(tmp_path, monkeypatch, capsys):
+    """A torchvision that fails as a mismatched build fails (its operators unregistered at
+    import), first on the path of the checked Python: the check names the fix."""
+    package = tmp_path / "torchvision"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    )
+    info = tmp_path / "torchvision-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.1.0\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert load_tool().main(["--python", sys.executable]) == 1
+    line = capsys.readouterr().out.strip()
+    assert "torchvision 0.1.0: " in line and "built for another torch" in line
+    release = torch.__version__.split("+")[0]
+    assert (
+        f"Fix: python3 -m pip install --force-reinstall torch=={release} torchvision "
+        "--index-url https://download.pytorch.org/whl/cpu" in line
+    )

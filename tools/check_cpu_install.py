@@ -21,6 +21,8 @@ Example:
     ...          "torchvision": "0.24.0+cpu", "torchvision_ops": True}
     >>> verdict(found).endswith(": OK")
     True
+    >>> "Fix: python3 -m pip install" in verdict({**found, "torchvision_ops": False})
+    True
 """
 
 from __future__ import annotations
@@ -82,11 +84,31 @@ def verdict(found: dict[str, Any]) -> str:
     if found["nvidia"]:
         problems.append(f"nvidia distributions installed: {', '.join(found['nvidia'])}")
     if not found["torchvision_ops"]:
-        problems.append("torchvision's operators do not load: it was built for another torch")
+        problems.append(
+            "torchvision's operators do not load: it was built for another torch. "
+            + matching_pair_advice(found["torch"])
+        )
     return (
         f"{datetime.date.today().isoformat()} CPU install check: torch {found['torch']}, "
         f"torch.version.cuda {found['cuda']}, {len(found['nvidia'])} nvidia-* distributions, "
         f"torchvision {found['torchvision']}: " + ("; ".join(problems) if problems else "OK")
+    )
+
+
+def matching_pair_advice(torch_version: str) -> str:
+    """How to get a torchvision built for the installed torch: both from one index in one
+    command (pip then picks the torchvision release made for that torch).
+
+    Example:
+        >>> matching_pair_advice("2.9.0+cpu")  # doctest: +ELLIPSIS
+        'Fix: python3 -m pip install --force-reinstall torch==2.9.0 torchvision --index-url ...'
+    """
+    release = torch_version.split("+")[0]
+    return (
+        f"Fix: python3 -m pip install --force-reinstall torch=={release} torchvision "
+        f"--index-url {CPU_INDEX} (both from one index; where that index cannot be reached, "
+        "`python3 -m pip install --force-reinstall torch torchvision` from PyPI gives a "
+        "matching pair, with CUDA libraries on Linux)"
     )
 
 

@@ -134,7 +134,7 @@ def _open_split(datasets: Any, source: str, split: str) -> Any:
         return _from_parquet(datasets, [local])
     if not is_hub_dataset_id(source):
         raise FileNotFoundError(
-            f"no such file or folder: {source!r} (relative to {Path.cwd()}); nor is it a Hub "
+            f"no such file or folder: {path_in_message(source)}; nor is it a Hub "
             "dataset id, which has the form owner/name (e.g. uoft-cs/cifar10)"
         )
     try:
@@ -148,6 +148,21 @@ def _open_split(datasets: Any, source: str, split: str) -> Any:
             f"{type(exc).__name__}: {exc}. Check the dataset id and the network, or pass a "
             "local folder of parquet files instead"
         ) from exc
+
+
+def path_in_message(path: str | Path) -> str:
+    """A path as an error names it: an absolute one as it is, a relative one with the
+    folder it is relative to.
+
+    Example:
+        >>> path_in_message("/data/x")
+        "'/data/x'"
+        >>> path_in_message("x").startswith("'x' (relative to ")
+        True
+    """
+    if Path(path).expanduser().is_absolute():
+        return repr(str(path))
+    return f"{str(path)!r} (relative to {Path.cwd()})"
 
 
 def is_hub_dataset_id(name: str) -> bool:
@@ -189,7 +204,7 @@ def split_files(folder: str | Path, split: str) -> list[Path]:
     """
     folder = Path(folder).expanduser()
     if not folder.is_dir():
-        raise FileNotFoundError(f"no such folder: {str(folder)!r} (relative to {Path.cwd()})")
+        raise FileNotFoundError(f"no such folder: {path_in_message(folder)}")
     single = folder / f"{split}.parquet"
     if single.is_file():
         return [single]

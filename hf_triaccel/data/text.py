@@ -30,7 +30,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.trainers import WordLevelTrainer
 
-from hf_triaccel.data.loading import is_hub_dataset_id, split_files
+from hf_triaccel.data.loading import is_hub_dataset_id, path_in_message, split_files
 
 TEXT_COLUMN = "text"
 UNK = "<unk>"
@@ -60,8 +60,7 @@ def check_text_source(source: str, splits: Sequence[str]) -> None:
             split_files(local, split)
     elif not is_hub_dataset_id(source):
         raise FileNotFoundError(
-            f"no such folder: {source!r} (relative to {Path.cwd()}), and not a Hub data set "
-            "id (owner/name)"
+            f"no such folder: {path_in_message(source)}, and not a Hub data set id (owner/name)"
         )
 
 
@@ -115,11 +114,11 @@ def load_text_split(
     return list(dataset[text_column])
 
 
-def word_level_tokenizer(lines: Sequence[str]) -> Tokenizer:
+def word_level_tokenizer(lines: Sequence[str], max_words: int | None = None) -> Tokenizer:
     """A word-level tokenizer whose vocabulary is every whitespace-separated word of
-    ``lines``: ``<unk>`` (id 0) and ``<eos>`` (id 1), then the words from the most to the
-    least frequent (ties in code-point order). Unknown words encode to ``<unk>``; decoding
-    joins words with spaces.
+    ``lines`` (or its ``max_words`` most frequent): ``<unk>`` (id 0) and ``<eos>`` (id 1),
+    then the words from the most to the least frequent (ties in code-point order).
+    Unknown words encode to ``<unk>``; decoding joins words with spaces.
 
     Example:
         >>> tokenizer = word_level_tokenizer([" b a a \\n", " <unk> a \\n"])
@@ -127,6 +126,8 @@ def word_level_tokenizer(lines: Sequence[str]) -> Tokenizer:
         [('<unk>', 0), ('<eos>', 1), ('a', 2), ('b', 3)]
         >>> tokenizer.encode(" a c b").ids
         [2, 0, 3]
+        >>> word_level_tokenizer([" b a a \\n"], max_words=1).encode(" a b").ids
+        [2, 0]
     """
     # the trainer counts the words (its ranking: count, then code points); the vocabulary
     # is rebuilt around it because the trainer's special tokens leave a hole in the ids
@@ -136,6 +137,7 @@ def word_level_tokenizer(lines: Sequence[str]) -> Tokenizer:
     counter.train_from_iterator(lines, WordLevelTrainer(vocab_size=2**31 - 1, min_frequency=0))
     counted = counter.get_vocab()
     words = [w for w in sorted(counted, key=counted.__getitem__) if w not in SPECIAL_TOKENS]
+    words = words[:max_words]
     vocab = {word: i for i, word in enumerate([*SPECIAL_TOKENS, *words])}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token=UNK))
     tokenizer.pre_tokenizer = WhitespaceSplit()

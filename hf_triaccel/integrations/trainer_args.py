@@ -233,9 +233,11 @@ you mean 'adamw_torch_fused'? ...
             self.optim = name.lower()
         elif name not in {o.value for o in OptimizerNames}:
             choices = sorted(OPTIMIZERS) + sorted(o.value for o in OptimizerNames)
+            # transformers has dozens of names: point to them rather than list them
             raise ValueError(
                 f"TriAccelArguments.optim={name!r} is not a known optimizer;"
-                f"{did_you_mean(name, choices)} choose one of {', '.join(choices)}"
+                f"{did_you_mean(name, choices)} hf_triaccel's are {', '.join(sorted(OPTIMIZERS))}, "
+                "transformers' those of transformers.training_args.OptimizerNames"
             )
         self._check_fields(ours)
         if self.logging_nan_inf_filter is None:

@@ -6,6 +6,7 @@ import contextlib
 import doctest
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -73,6 +74,12 @@ def tiny_run(recipe: str, dataset: Path | str, out: Path, *extra: str) -> list[s
     ]
 
 
+def this_checkout() -> dict[str, str]:
+    """The environment of a recipe script run as a user runs it, importing the package of
+    this checkout (not another installed copy)."""
+    return {**os.environ, "PYTHONPATH": str(RECIPES_DIR.parent)}
+
+
 def front_matter(card: str) -> dict:
     _, header, _ = card.split("---\n", 2)
     return yaml.safe_load(header)
@@ -113,7 +120,7 @@ def test_recipe_trains_and_writes_model_reports_plots_and_card(name, hub_folders
     autotuning = torch.backends.cudnn.benchmark
     results = train.run_recipe(argv)
     assert torch.backends.cudnn.benchmark == autotuning  # on during the run only
-    assert results["settings"]["cudnn_benchmark"] is True
+    assert results["settings"]["cudnn_benchmark"] is None  # no cuDNN on a CPU run
 
     for file in ("model.safetensors", "config.json", REPORT_NAME, "history.json"):
         assert (out / file).is_file(), file
@@ -362,7 +369,10 @@ def test_a_flag_that_cannot_work_is_named_in_one_line(flags, message, capsys):
 def test_a_recipe_script_exits_with_one_line_for_a_bad_flag():
     script = RECIPES_DIR / "cifar10_resnet18.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--adafisher_gamma", "2"], capture_output=True, text=True
+        [sys.executable, str(script), "--adafisher_gamma", "2"],
+        capture_output=True,
+        text=True,
+        env=this_checkout(),
     )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "cifar10_resnet18.py: error: --adafisher_gamma 2.0: needs 0 < gamma < 1\n"
@@ -374,6 +384,7 @@ def test_each_recipe_script_helps_with_its_own_defaults(recipe):
         [sys.executable, str(RECIPES_DIR / f"{recipe}.py"), "--help"],
         capture_output=True,
         text=True,
+        env=this_checkout(),
     )
     assert done.returncode == 0, done.stderr
     config = recipe_config.RecipeConfig.load(recipe)
@@ -556,11 +567,19 @@ def test_load_results_needs_results(tmp_path):
         recipe_results.load_results(tmp_path)
 
 
-def test_full_determinism_keeps_cudnn_autotuning_off(hub_folders, tmp_path):
+def test_full_determinism_keeps_cudnn_autotuning_off(hub_folders, tmp_path, monkeypatch):
     name = "cifar10_resnet18"
     argv = tiny_run(name, hub_folders[name], tmp_path / "out", "--full_determinism", "true")
+    asked, autotuning = [], train.cudnn_autotuning
+
+    def recorded(on: bool):
+        asked.append(on)
+        return autotuning(on)
+
+    monkeypatch.setattr(train, "cudnn_autotuning", recorded)
     results = train.run_recipe([*argv, "--no_plot"])
-    assert results["settings"]["cudnn_benchmark"] is False
+    assert asked == [False]
+    assert results["settings"]["cudnn_benchmark"] is None  # a CPU run says nothing of cuDNN
 
 
 class FakeNVML:

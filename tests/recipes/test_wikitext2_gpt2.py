@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import doctest
+import io
 import json
 import math
+import os
 import random
 import re
 import warnings
@@ -21,6 +24,7 @@ datasets = pytest.importorskip("datasets")
 import wikitext2_gpt2 as recipe  # noqa: E402
 import wikitext2_grid as grid  # noqa: E402
 import yaml  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
@@ -87,8 +91,10 @@ def run(text_folder, tmp_path_factory) -> dict:
     """One command: the AdamW baseline, then AdaFisherW, each run recorded in a runs file."""
     out = tmp_path_factory.mktemp("run")
     argv = flags(text_folder, out, "--baseline", "--runs_file", str(out / "runs.jsonl"))
-    results = recipe.run_recipe(argv)
-    return {"argv": argv, "out": out, "results": results}
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        results = recipe.run_recipe(argv)
+    return {"argv": argv, "out": out, "results": results, "console": console.getvalue()}
 
 
 def test_docstring_examples_run():
@@ -332,8 +338,9 @@ def test_grid_summary_of_recorded_runs(run):
     for line, name in zip(lines, ("adamw", "adafisher"), strict=True):
         line["name"] = name
     table = grid.summary(lines, "adamw", first_seed=42)
-    rows = {row.split(" | ")[0].strip("| "): row for row in table.splitlines()[3:]}
+    rows = {r.split(" | ")[0].strip("| "): r for r in table.splitlines()[3:] if r.startswith("|")}
     assert set(rows) == {"adamw", "adafisher"}
+    assert table.endswith("tuning runs at seed 42: adamw 1, adafisher 1")
     assert rows["adamw"].endswith("(runs) | 1.000 |")  # the target reaches itself
     assert f"{lines[1]['test_perplexity']:.2f}" in rows["adafisher"]
 
@@ -402,3 +409,135 @@ def test_recipe_defaults_are_the_best_of_its_grid():
     assert defaults["adafisher_ema"] == rule["ema"]
     assert defaults["learning_rate"] == best[winner]
     assert recipe.TextRecipeArguments.baseline_learning_rate == best["adamw"]
+
+
+def test_the_plan_says_the_time_on_a_cpu_and_offers_the_quick_form(text_folder, tmp_path, capsys):
+    assert recipe.run_recipe(flags(text_folder, tmp_path / "out", "--dry_run")) is None
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "wikitext2_gpt2: a GPT-2-style model (2 layers x 64, 2 heads, " in printed
+    assert "6 optimizer steps of 128 tokens" in printed and "on cpu" in printed
+    assert re.search(r"One step takes about [\d.]+ s here: about \d+ s of training", printed)
+    assert "--quick trains the form of this recipe sized for a CPU" in printed
+    assert not (tmp_path / "out").exists()
+
+
+def test_quick_form_defaults_and_its_output_folder(text_folder):
+    recipe_args, args = recipe.parse_args(["--quick", "--dataset", str(text_folder), "--use_cpu"])
+    assert (recipe_args.n_layer, recipe_args.n_embd, recipe_args.max_vocab) == (2, 128, 4096)
+    assert recipe_args.baseline and recipe_args.max_eval_tokens == 16_384
+    assert args.output_dir.startswith(os.path.join("outputs", "wikitext2_gpt2-quick-wikitext"))
+    args = recipe.schedule(recipe_args, args, set())
+    assert args.max_steps == 200 and args.eval_steps == 100
+    # any flag still wins
+    recipe_args, _ = recipe.parse_args(["--quick", "--dataset", str(text_folder), "--n_layer", "3"])
+    assert recipe_args.n_layer == 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max_tok", "5"], "did you mean '--max_tokens'?"),
+        (
+            ["--optim", "sgd", "--muon"],
+            "--optim sgd with --muon: the rest of the model takes AdamW",
+        ),
+        (["--dataset", "/no/such/wikitext"], "--dataset /no/such/wikitext: no such folder: '/no"),
+    ],
+    ids=["prefix", "muon with sgd", "absolute path"],
+)
+def test_bad_flags_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        recipe.parse_args(argv)
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert message in line and "relative to" not in line
+
+
+def test_without_the_hub_the_default_command_says_what_runs_offline(monkeypatch, tmp_path, capsys):
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # no resolver answers it
+    monkeypatch.chdir(tmp_path)
+    assert recipe.main([]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) <= 3
+    assert lines[-1].startswith("wikitext2_gpt2.py: error: --dataset Salesforce/wikitext: ")
+    assert "a local folder of the splits' parquet files" in lines[-1] and "--quick" in lines[-1]
+
+
+def test_the_run_states_what_ran_and_prints_the_comparison(run):
+    results = run["results"]
+    s = results["settings"]
+    assert s["cudnn_benchmark"] is None and s["num_train_epochs"] is None
+    assert {"baseline", "max_tokens", "runs_file"} <= set(s["set_on_command_line"])
+    assert s["adafisher"]["variant"] == "the paper's EMA rule (ema=paper), as published"
+    assert results["device"].startswith("CPU: ")
+    assert results["plan"].startswith("wikitext2_gpt2: a GPT-2-style model")
+    assert "6 optimizer steps" in results["plan"] and results["optimizer_steps"] == 6
+    console = run["console"].splitlines()
+    header = next(i for i, line in enumerate(console) if line.startswith("optimizer "))
+    rows = {line.split()[0]: line for line in console[header + 1 : header + 3]}
+    assert f"{results['eval_perplexity']:.2f}" in rows["adafisherw"]
+    assert f"{results['baseline']['eval_perplexity']:.2f}" in rows["adamw_torch_fused"]
+
+
+# the new arms on the tiny model: Muon with AdamW on the rest, the paper rule refreshed
+# every 10 steps, and its damping at the paper arm's best learning rate
+ARMS = {
+    "muon": ["--muon", "--muon_adamw_lr", "1e-3"],
+    "paper10": ["--optim", "adafisherw", "--adafisher_ema", "paper"]
+    + ["--adafisher_update_every", "10"],
+    "paper10/d1e-2": ["--optim", "adafisherw", "--adafisher_ema", "paper"]
+    + ["--adafisher_update_every", "10", "--adafisher_damping", "1e-2"],
+}
+
+
+def test_the_grid_trains_and_records_the_new_arms(text_folder, tmp_path):
+    runs_file = str(tmp_path / "runs.jsonl")
+    lrs = {"muon": [3e-3], "paper10": [3e-3], "paper10/d1e-2": "best:paper10"}
+    common = flags(text_folder, tmp_path / "unused", "--no_plot")
+    done = grid.run_grid(
+        ARMS, lrs, [42], runs_file, common, out_dir=str(tmp_path / "runs"), extend=0
+    )
+    assert done
+    lines = {line["name"]: line for line in grid.records(runs_file)}
+    assert set(lines) == set(ARMS)
+    muon = lines["muon"]["key"]
+    assert muon["optim"] == "muon" and muon["muon"]["adamw_lr"] == 1e-3
+    assert muon["muon"]["lr"] == 3e-3 and muon["muon"]["adamw"] == "adamw_torch_fused"
+    assert lines["paper10"]["key"]["adafisher"]["update_every"] == 10
+    damped = lines["paper10/d1e-2"]["key"]
+    assert damped["adafisher"]["damping"] == 1e-2 and damped["learning_rate"] == 3e-3
+    for line in lines.values():
+        assert math.isfinite(line["best_eval_perplexity"]), line["name"]
+    results = json.loads(
+        (tmp_path / "runs" / "muon" / "lr0.003_seed42" / "results.json").read_text()
+    )
+    assert results["settings"]["optim"] == "muon"
+    matrices = results["settings"]["muon"]["matrices"]
+    assert len(matrices) == 8 and all(".h." in name for name in matrices)  # 4 per block
+    table = grid.summary(grid.records(runs_file), "muon", 42, versus=["muon", "paper10"])
+    assert "time / the better of muon, paper10" in table
+    assert "tuning runs at seed 42: muon 1, paper10 2 (2 arms, best paper10" in table
+
+
+@pytest.mark.parametrize("arm", ["muon", "paper10"])
+def test_a_resumed_run_ends_where_the_whole_run_ends(arm, text_folder, tmp_path):
+    """6 steps at once, against 3 then 3 more from the checkpoint (dropout off: the
+    same arithmetic in both)."""
+    common = [*ARMS[arm], "--dropout", "0", "--eval_strategy", "no", "--no_plot", "--lr", "3e-3"]
+    whole = flags(text_folder, tmp_path / "whole", *common, "--save_strategy", "steps")
+    recipe.run_recipe([*whole, "--save_steps", "3"])
+    resumed = flags(text_folder, tmp_path / "resumed", *common)
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    results = recipe.run_recipe([*resumed, "--resume_from_checkpoint", str(checkpoint)])
+    assert results["resumed_from_step"] == 3 and results["global_step"] == 6
+    assert results["optimizer_steps"] == 3
+    ends = [
+        load_file(folder / "model.safetensors")
+        for folder in (tmp_path / "whole", tmp_path / "resumed")
+    ]
+    for name, tensor in ends[0].items():
+        torch.testing.assert_close(ends[1][name], tensor, msg=name)
+    card = (tmp_path / "resumed" / "README.md").read_text()
+    assert "resumed from the checkpoint at step 3: these figures cover steps 4 to 6" in card
