@@ -20,9 +20,9 @@ weight ``theta + delta`` (``delta = -lr * direction``) is stored by one of
 - ``"kahan"``: compensated summation with a buffer ``c`` of the parameter's dtype that
   carries what the rounding dropped (``y = c + delta``; ``theta' = round(theta + y)``;
   ``c' = round(y - (theta' - theta))``), so that ``theta + c`` follows the exact sum.
-- ``"stochastic"``: bfloat16 weights (float16 ones are refused): ``theta + delta`` rounded up or down with
-  probabilities that make its expectation exact (16 random bits added to the float32
-  value's dropped bits).
+- ``"stochastic"``: bfloat16 weights (float16 ones are refused): ``theta + delta``
+  rounded up or down with probabilities that make its expectation exact (16 random bits
+  added to the float32 value's dropped bits).
 
 - ``reference``: one tensor at a time, F materialised from index arithmetic.
 - ``foreach``: torch ``_foreach`` ops over all tensors of one compute dtype, F
