@@ -50,6 +50,7 @@ from hf_triaccel.integrations.layout import (
     contiguous_weights,
     to_channels_last,
 )
+from hf_triaccel.integrations.low_memory import announce_low_memory, ledger_report
 from hf_triaccel.integrations.optimizers import FACTORIES
 from hf_triaccel.integrations.plugin import check_distributed_support
 from hf_triaccel.integrations.precision_report import PrecisionReport, write_precision_report
@@ -224,6 +225,8 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
                 )
             return optimizer
         inner.collector.grad_scaler = self.accelerator.scaler
+        announce_low_memory(self.args, unwrapped)
+        self.telemetry.add_provider(lambda: ledger_report(unwrapped, inner), "memory_ledger")
         controllers = plugin.build_precision(unwrapped, inner, fp16=self.args.fp16)
         if controllers is not None:
             self.signals, self.precision = controllers

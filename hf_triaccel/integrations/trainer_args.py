@@ -28,6 +28,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.training_args import OptimizerNames
 
+from hf_triaccel.integrations.low_memory import low_memory_settings
 from hf_triaccel.integrations.optimizers import OPTIMIZERS, adafisher_config
 from hf_triaccel.integrations.plugin import TriAccelPlugin, check_fsdp_features
 from hf_triaccel.optim.config import DEFAULT_LR, AdaFisherConfig
@@ -127,6 +128,7 @@ def config_from_args(args: TrainingArguments, owner: str = "TriAccelArguments") 
     """The :class:`AdaFisherConfig` that ``args`` describe, learning rate resolved."""
     values = {name: setting(args, field_name) for name, field_name in CONFIG_NAMES.items()}
     values["lr"] = resolve_learning_rate(args)
+    values.update(low_memory_settings(args))
     return adafisher_config(owner, values, CONFIG_NAMES)
 
 
@@ -232,6 +234,17 @@ you mean 'adamw_torch_fused'? ...
         },
     )
 
+    triaccel_low_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "AdaFisher(W) with bfloat16 momentum, Kahan-compensated updates of bfloat16 "
+            "weights (load the model in bfloat16) and gradients released into the update on "
+            "steps that do not refresh the Fisher factors, where the run allows it (not with "
+            "max_grad_norm > 0, gradient accumulation, the elastic batch, fp16 or several "
+            "processes: the log says which and what it costs). " + _NEEDS_ADAFISHER
+        },
+    )
+
     def __post_init__(self) -> None:
         name = str(getattr(self.optim, "value", self.optim))
         ours = name.lower() in OPTIMIZERS
@@ -289,6 +302,7 @@ you mean 'adamw_torch_fused'? ...
             ),
             ("triaccel_precision", ours or not self.triaccel_precision, "needs adafisher(w)"),
             ("triaccel_lr_steering", ours or not self.triaccel_lr_steering, "needs adafisher(w)"),
+            ("triaccel_low_memory", ours or not self.triaccel_low_memory, "needs adafisher(w)"),
             (
                 "learning_rate",
                 self.learning_rate is not None or not self.deepspeed,
