@@ -12,7 +12,12 @@ import importlib
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.rules import FactorLayout, FisherRule, register_fisher_rule
 from hf_triaccel.curvature.signals import SignalTracker
-from hf_triaccel.memory import ElasticBatchController, checkpoint_largest_blocks
+from hf_triaccel.memory import (
+    ElasticBatchController,
+    MemoryLedger,
+    checkpoint_largest_blocks,
+    measure_step,
+)
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW
 from hf_triaccel.optim.functional import adafisher
 from hf_triaccel.optim.steering import StepSizeSteering
@@ -61,6 +66,7 @@ __all__ = [
     "FactorLayout",
     "FisherCollector",
     "FisherRule",
+    "MemoryLedger",
     "PrecisionController",
     "PrecisionPolicy",
     "PrecisionRule",
@@ -73,6 +79,7 @@ __all__ = [
     "TriAccelTrainer",
     "adafisher",
     "checkpoint_largest_blocks",
+    "measure_step",
     "prepare_triaccel",
     "register_fisher_rule",
     "register_timm_optimizers",

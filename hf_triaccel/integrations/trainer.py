@@ -1,12 +1,12 @@
 """transformers integration: ``TriAccelMixin`` for any Trainer, ``TriAccelTrainer``.
 
-The mixin works through the Trainer's own extension points:
+Over 400 lines: the mixin works through the Trainer's own extension points, one by one:
 
 * the optimizer: ``get_optimizer_cls_and_kwargs`` maps ``optim="adafisher(w)"`` to a
   factory that receives the model (the Trainer's optimizer-selection path; the user's
   ``optimizer_cls_and_kwargs`` stays theirs), ``get_decay_parameter_names`` applies
   hf_triaccel's parameter-group rule to every optimizer, and ``create_optimizer`` adds
-  the fp16 loss scaler and the controllers;
+  the fp16 loss scaler, the controllers and the memory ledger;
 * the loss: ``compute_loss`` is the Trainer's for every model whose ``forward`` takes the
   whole batch by name; the others (timm's ``forward(x)``) get the fallback of
   :mod:`~hf_triaccel.integrations.trainer_loss`;

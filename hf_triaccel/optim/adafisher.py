@@ -1,5 +1,9 @@
 """AdaFisher and AdaFisherW: diagonal Kronecker-factored Fisher preconditioning.
 
+Over 400 lines: one torch optimizer class (construction and its checks, the step, the
+state-dict round trip); the per-group plans, the update, gradient release and the saved
+state's format are modules of their own.
+
 The optimizer decides *when* statistics are taken (every ``update_every`` optimizer
 steps, plus before the first step) and folds them into the factors held by a
 :class:`~hf_triaccel.curvature.collector.FisherCollector`. The collector, not the

@@ -1,5 +1,8 @@
 """The AdaFisher update, as one functional with three implementations.
 
+Over 400 lines: the three implementations, their routing and the storage rules of narrow
+weights are one contract (the arithmetic below), each implementation tested against it.
+
 For parameter ``theta`` with gradient ``grad`` (``-grad`` when maximizing), momentum
 ``m``, step ``t`` (already incremented) and preconditioner ``F`` (see
 :mod:`hf_triaccel.curvature.rules`; ``F = 1`` for parameters without factors)::
