@@ -185,8 +185,10 @@ class AdaFisher(Optimizer):
                 "need weight_rounding='kahan'"
             )
         # the random stream of stochastic rounding, drawn from torch's generator so that a
-        # seeded run repeats; saved with the state
-        self.rounding_seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        # seeded run repeats (only when used: other runs' random streams stay as they were);
+        # saved with the state
+        stochastic = config.weight_rounding == "stochastic"
+        self.rounding_seed = int(torch.randint(0, 2**31 - 1, ()).item()) if stochastic else 0
         self.release: GradientRelease | None = None
         if config.release_grads:
             check_releasable(params, name)
