@@ -114,6 +114,14 @@ class GradientRelease:
         self.total += self.released
         self.released = 0
         self._stepped.clear()
+        scaler = getattr(self.optimizer.collector, "grad_scaler", None)
+        if self._handles and scaler is not None and scaler.is_enabled():
+            # known once the optimizer is wrapped: raised before any step released
+            raise ValueError(
+                f"{type(self.optimizer).__name__}: release_grads=True with fp16 loss scaling: "
+                "the scaler unscales every gradient and checks it for inf before the update, "
+                "which release would have taken already; leave release_grads=False"
+            )
         self.active = bool(self._handles) and not refresh_next
 
     def _update_for(self, p: torch.Tensor, group: dict[str, Any]) -> Callable[..., None]:

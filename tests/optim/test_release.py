@@ -112,3 +112,14 @@ def test_without_a_collector_every_step_releases():
     assert model.weight.grad is None and opt.release.released == 2
     opt.step()
     assert opt.release.total == 2 and opt.state[model.weight]["step"].item() == 1.0
+
+
+def test_fp16_loss_scaling_is_refused_before_any_release():
+    model = _model()
+    opt = AdaFisherW.from_model(model, update_every=2, release_grads=True)
+    opt.collector.grad_scaler = torch.amp.GradScaler("cpu", enabled=True)
+    x, y = _batches(1)[0]
+    nn.functional.cross_entropy(model(x), y).backward()  # a refresh step: nothing released
+    with pytest.raises(ValueError, match="fp16 loss scaling"):
+        opt.step()
+    assert opt.release.total == 0
