@@ -114,12 +114,14 @@ def run_cifar(variant: dict, seed: int, lr_scale: float) -> dict:
     }
 
 
-def run_gpt2(variant: dict, seed: int, lr_scale: float, wikitext: str, steps: int) -> dict:
+def run_gpt2(
+    variant: dict, seed: int, lr_scale: float, wikitext: str, steps: int, batch: int
+) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from hf_triaccel.data.text import load_text_split, pack_blocks, token_ids, word_level_tokenizer
 
-    block, batch, eval_blocks = 64, 16, 64
+    block, eval_blocks = 64, 64
     lines = {s: load_text_split(wikitext, s) for s in ("train", "validation")}
     words = word_level_tokenizer(lines["train"])
     train = pack_blocks(token_ids(lines["train"], words), block)
@@ -173,6 +175,7 @@ def run_gpt2(variant: dict, seed: int, lr_scale: float, wikitext: str, steps: in
         "lr": lr,
         "eval_loss": eval_loss,
         "eval_perplexity": math.exp(eval_loss),
+        "batch": batch,
         "train_loss_last_20": sum(losses[-20:]) / 20,
         "released_param_steps": released,
         "eval_tokens": eval_blocks * block,
@@ -187,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr_scale", type=float, default=1.0)
     parser.add_argument("--gpt2_steps", type=int, default=200)
+    parser.add_argument("--gpt2_batch", type=int, default=16)
     parser.add_argument(
         "--wikitext", default=os.environ.get("WIKITEXT", "/work/shared/data/wikitext2")
     )
@@ -198,7 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.task == "cifar":
         figures = run_cifar(variant, args.seed, args.lr_scale)
     else:
-        figures = run_gpt2(variant, args.seed, args.lr_scale, args.wikitext, args.gpt2_steps)
+        figures = run_gpt2(
+            variant, args.seed, args.lr_scale, args.wikitext, args.gpt2_steps, args.gpt2_batch
+        )
     record = {
         "task": args.task,
         "variant": args.variant,
