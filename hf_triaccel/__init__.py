@@ -12,7 +12,12 @@ import importlib
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.curvature.rules import FactorLayout, FisherRule, register_fisher_rule
 from hf_triaccel.curvature.signals import SignalTracker
-from hf_triaccel.memory import ElasticBatchController, checkpoint_largest_blocks
+from hf_triaccel.memory import (
+    ElasticBatchController,
+    MemoryLedger,
+    checkpoint_largest_blocks,
+    measure_step,
+)
 from hf_triaccel.optim.adafisher import AdaFisher, AdaFisherW, build_adafisher
 from hf_triaccel.optim.config import AdaFisherConfig
 from hf_triaccel.optim.functional import adafisher
@@ -57,6 +62,7 @@ __all__ = [
     "FactorLayout",
     "FisherCollector",
     "FisherRule",
+    "MemoryLedger",
     "PrecisionController",
     "PrecisionPolicy",
     "PrecisionRule",
@@ -71,6 +77,7 @@ __all__ = [
     "adafisher",
     "build_adafisher",
     "checkpoint_largest_blocks",
+    "measure_step",
     "prepare_triaccel",
     "register_fisher_rule",
     "register_timm_optimizers",

@@ -432,6 +432,8 @@ def run_figures(
         **timing,
         "gpu_hours": round(timing["train_runtime_s"] * gpus / 3600, 6) if gpus else None,
         "peak_memory_gb": report.get("peak_memory_gb"),
+        "bytes_per_parameter_held": report.get("bytes_per_parameter_held"),
+        "bytes_per_parameter_released": report.get("bytes_per_parameter_released"),
         "energy": energy,
         "optimizer_steps": report["optimizer_steps"],
         "epochs": trainer.state.epoch,

@@ -40,6 +40,11 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from hf_triaccel.integrations.low_memory import (
+    announce_low_memory,
+    ledger_report,
+    release_blockers,
+)
 from hf_triaccel.integrations.plugin import TriAccelParts, TriAccelPlugin
 from hf_triaccel.integrations.precision_report import (
     PRECISION_MAP_NAME,
@@ -143,6 +148,9 @@ class TriAccelCallback(TrainerCallback):
             self.telemetry.add_provider(parts.precision.counts, "precision")
         if self.telemetry is not None and parts.steering is not None:
             self.telemetry.add_provider(parts.steering.summary, "steering")
+        if self.telemetry is not None:
+            optimizer = parts.optimizer
+            self.telemetry.add_provider(lambda: ledger_report(model, optimizer), "memory_ledger")
         return parts.optimizer
 
     def detach(self) -> None:
@@ -162,6 +170,13 @@ class TriAccelCallback(TrainerCallback):
                 "builds; pass optimizer_cls_and_kwargs=callback.optimizer_cls_and_kwargs "
                 "to the Trainer (and no optimizers=...)"
             )
+        blockers = release_blockers(args)
+        if parts.optimizer.config.release_grads and blockers:
+            raise ValueError(
+                "TriAccelCallback: release_grads=True cannot release in this run: "
+                + "; ".join(blockers)
+            )
+        announce_low_memory(args, kwargs["model"])
         collector = parts.optimizer.collector
         collector.grad_scaler = getattr(optimizer, "scaler", None)  # Accelerate's, under fp16
         if not collector.attached:

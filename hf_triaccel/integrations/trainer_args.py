@@ -35,6 +35,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.training_args import OptimizerNames
 
+from hf_triaccel.integrations.low_memory import low_memory_settings
 from hf_triaccel.integrations.plugin import TriAccelPlugin, check_fsdp_features
 from hf_triaccel.optim.adafisher import OPTIMIZERS
 from hf_triaccel.optim.config import DEFAULT_LR
@@ -226,6 +227,17 @@ you mean 'adamw_torch_fused'? ...
         },
     )
 
+    triaccel_low_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "AdaFisher(W) with bfloat16 momentum, Kahan-compensated updates of bfloat16 "
+            "weights (load the model in bfloat16) and gradients released into the update on "
+            "steps that do not refresh the Fisher factors, where the run allows it (not with "
+            "max_grad_norm > 0, gradient accumulation, the elastic batch, fp16 or several "
+            "processes: the log says which and what it costs). " + _NEEDS_ADAFISHER
+        },
+    )
+
     def __post_init__(self) -> None:
         name = str(getattr(self.optim, "value", self.optim))
         ours = name.lower() in OPTIMIZERS
@@ -282,6 +294,7 @@ you mean 'adamw_torch_fused'? ...
             ),
             ("triaccel_precision", ours or not self.triaccel_precision, "needs adafisher(w)"),
             ("triaccel_lr_steering", ours or not self.triaccel_lr_steering, "needs adafisher(w)"),
+            ("triaccel_low_memory", ours or not self.triaccel_low_memory, "needs adafisher(w)"),
             (
                 "learning_rate",
                 self.learning_rate is not None or not self.deepspeed,
@@ -340,6 +353,7 @@ def plugin_from_args(args: TrainingArguments) -> TriAccelPlugin:
     if values["channels_last"] is None:  # unset: on with AdaFisher, as the plugin's default
         del values["channels_last"]
     values["optimizer"] = optim_name(args) if uses_adafisher(args) else "adafisherw"
+    values.update(low_memory_settings(args))
     names = {name: argument for argument, name in ARGUMENT_SETTINGS.items()}
     return TriAccelPlugin.from_values(values, owner="TriAccelArguments", names=names)
 

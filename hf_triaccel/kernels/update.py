@@ -93,7 +93,8 @@ _T_A_MOD = tl.constexpr(9)
 _T_HAS_FACTORS = tl.constexpr(10)
 _T_A_INNER = tl.constexpr(11)  # channels-last weights: C_in, and kh * kw (else 1 and 1)
 _T_A_OUTER = tl.constexpr(12)
-_T_COLS = tl.constexpr(13)
+_T_COMP = tl.constexpr(13)  # the Kahan compensation buffer (the momentum's when none)
+_T_COLS = tl.constexpr(14)
 
 # Columns of the chunk table (int64, one row per program). A chunk starting at flat
 # element s has s = q_g * g_div + g_rem; g_qmod = q_g % g_mod (likewise for a), so the
@@ -125,7 +126,24 @@ def _round_to(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
+# How the new weight is stored (ROUNDING), as hf_triaccel.optim.functional.ROUNDINGS names it.
+ROUNDING_CODES = {"nearest": 0, "kahan": 1, "stochastic": 2}
+
+
 @triton.jit
+def _stochastic_bfloat16(x, seed, offsets):
+    """float32 ``x`` rounded to bfloat16 stochastically: 16 random bits added to the 16
+    bits bfloat16 drops, then truncated (non-finite values are rounded to nearest)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    noise = tl.randint(seed, offsets) & 0xFFFF
+    rounded = ((bits + noise) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    finite = tl.abs(x) < float("inf")
+    return tl.where(finite, rounded, _round_to(x, tl.bfloat16))
+
+
+# the seed changes every step: specialising on its value (1, multiples of 16) would
+# compile again and mismatch the kernels launched directly
+@triton.jit(do_not_specialize=["seed"])
 def _adafisher_kernel(
     tensor_table,  # int64 [n_tensors, _T_COLS]
     grad_table,  # int64 [n_tensors]: gradient data pointers
@@ -136,8 +154,11 @@ def _adafisher_kernel(
     one_minus_beta,  # computed in float64 on the host, as the reference's alpha
     weight_decay,
     damping,
+    seed,  # the random stream of stochastic rounding
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
+    MOM_DTYPE: tl.constexpr,  # the momentum's storage; the arithmetic is float32
+    ROUNDING: tl.constexpr,  # ROUNDING_CODES: nearest, Kahan-compensated, stochastic
     LR_IS_TENSOR: tl.constexpr,
     MAXIMIZE: tl.constexpr,  # ascend: the gradient's sign is flipped first, as torch does
     L2_DECAY: tl.constexpr,  # weight decay added to the gradient (AdaFisher)
@@ -153,7 +174,7 @@ def _adafisher_kernel(
 
     p_ptr = tl.load(row + _T_PARAM).to(tl.pointer_type(PARAM_DTYPE))
     g_ptr = tl.load(grad_table + t).to(tl.pointer_type(GRAD_DTYPE))
-    m_ptr = tl.load(row + _T_MOM).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + _T_MOM).to(tl.pointer_type(MOM_DTYPE))
     if ALIGNED:
         # Pointers made from integers carry no alignment Triton can see; with these hints
         # (and start a multiple of BLOCK) the three streams move in 16-byte accesses.
@@ -183,11 +204,11 @@ def _adafisher_kernel(
     if full:
         theta = tl.load(p_ptr + j).to(tl.float32)
         grad = tl.load(g_ptr + j).to(tl.float32)
-        mom = tl.load(m_ptr + j)
+        mom = tl.load(m_ptr + j).to(tl.float32)
     else:
         theta = tl.load(p_ptr + j, mask=mask).to(tl.float32)
         grad = tl.load(g_ptr + j, mask=mask).to(tl.float32)
-        mom = tl.load(m_ptr + j, mask=mask)
+        mom = tl.load(m_ptr + j, mask=mask).to(tl.float32)
 
     # F[k] = g[(k // g_div) % g_mod] * a[(k // a_div) % a_mod + a_off] + damping with
     # k = start + j. With start = q * g_div + g_rem and g_qmod = q % g_mod from the chunk
@@ -227,13 +248,26 @@ def _adafisher_kernel(
     direction = mom / (bias_correction * fisher)
     if DECOUPLED_DECAY:
         direction = direction + weight_decay * theta
-    theta = theta - lr * direction
-    if full:
-        tl.store(p_ptr + j, _round_to(theta, PARAM_DTYPE))
-        tl.store(m_ptr + j, mom)
+    if ROUNDING == 1:
+        # Kahan: the buffer carries what rounding the weight dropped (functional.py's
+        # arithmetic: y = c - lr * d; theta' = round(theta + y); c' = y - (theta' - theta))
+        c_ptr = tl.load(row + _T_COMP).to(tl.pointer_type(PARAM_DTYPE)) + start
+        comp = tl.load(c_ptr + j, mask=mask).to(tl.float32)
+        y = comp - lr * direction
+        new = _round_to(theta + y, PARAM_DTYPE)
+        tl.store(c_ptr + j, _round_to(y - (new.to(tl.float32) - theta), PARAM_DTYPE), mask=mask)
+    elif ROUNDING == 2:
+        # one random stream per element of the launch
+        offsets = tl.program_id(0) * BLOCK + j
+        new = _stochastic_bfloat16(theta - lr * direction, seed, offsets)
     else:
-        tl.store(p_ptr + j, _round_to(theta, PARAM_DTYPE), mask=mask)
-        tl.store(m_ptr + j, mom, mask=mask)
+        new = _round_to(theta - lr * direction, PARAM_DTYPE)
+    if full:
+        tl.store(p_ptr + j, new)
+        tl.store(m_ptr + j, _round_to(mom, MOM_DTYPE))
+    else:
+        tl.store(p_ptr + j, new, mask=mask)
+        tl.store(m_ptr + j, _round_to(mom, MOM_DTYPE), mask=mask)
 
 
 # Gradient dtypes the kernel reads (float64 gradients are read and rounded to float32,
@@ -254,6 +288,7 @@ class _Group:
     numels: list[int]
     param_dtype: tl.dtype
     grad_dtype: tl.dtype
+    mom_dtype: tl.dtype
     channels_last: bool
     tensor_table: torch.Tensor
     chunk_table: torch.Tensor
@@ -293,7 +328,7 @@ _g_of = operator.attrgetter("g")
 _a_of = operator.attrgetter("a")
 
 
-def _plan_key(params, moms, factors, steps) -> tuple:
+def _plan_key(params, moms, factors, steps, comps) -> tuple:
     """What the tensor and chunk tables encode, from C-level calls only: this runs every
     step. A tensor is taken to keep its dtype and strides while
     its address and size are unchanged (reallocating a tensor changes its address).
@@ -308,6 +343,7 @@ def _plan_key(params, moms, factors, steps) -> tuple:
         tuple(map(_numel, params)),
         tuple(map(_data_ptr, moms)),
         tuple(map(_data_ptr, steps)),
+        tuple(0 if c is None else c.data_ptr() for c in comps),
         tuple(map(id, factors)),
         tuple(map(_data_ptr, map(_g_of, present))),
         tuple(map(_data_ptr, map(_a_of, present))),
@@ -385,8 +421,10 @@ def _check(
             f"tensor {i}: parameter dtype {p.dtype} is not one of {FUSED_DTYPES} "
             "(the dispatcher, hf_triaccel.optim.functional, updates the others)"
         )
-    if m.dtype != torch.float32 or m.shape != p.shape:
-        raise ValueError(f"tensor {i}: momentum must be float32 of the parameter's shape")
+    if m.dtype not in FUSED_DTYPES or m.shape != p.shape:
+        raise ValueError(
+            f"tensor {i}: momentum must be one of {FUSED_DTYPES} of the parameter's shape"
+        )
     if step.dtype != torch.float32 or step.numel() != 1:
         raise ValueError(f"tensor {i}: step must be a one-element float32 tensor")
     if fac is not None:
@@ -421,7 +459,7 @@ def _memory_order(
 
 
 def _build_group(
-    members, p_dtype, g_dtype, channels_last, params, moms, factors, steps, device
+    members, dtypes, channels_last, params, moms, factors, steps, comps, device
 ) -> _Group:
     """The tensor and chunk tables of one launch, copied to ``device``."""
     rows, chunks = [], []
@@ -437,14 +475,16 @@ def _build_group(
             layout, has_factors = _layout_row(fac, numel, i), 1
         inner, outer = (p.shape[1], p.shape[2] * p.shape[3]) if channels_last else (1, 1)
         rows.append([p.data_ptr(), m.data_ptr(), steps[i].data_ptr(), *pointers, numel, *layout])
-        rows[-1] += [has_factors, inner, outer]
+        comp = m if comps[i] is None else comps[i]
+        rows[-1] += [has_factors, inner, outer, comp.data_ptr()]
         chunks.append(_chunk_rows(t, numel, layout))
     chunk_table = torch.cat(chunks)
     return _Group(
         members=members,
         numels=[row[5] for row in rows],
-        param_dtype=_TL_DTYPES[p_dtype],
-        grad_dtype=_TL_DTYPES[g_dtype],
+        param_dtype=_TL_DTYPES[dtypes[0]],
+        grad_dtype=_TL_DTYPES[dtypes[1]],
+        mom_dtype=_TL_DTYPES[dtypes[2]],
         channels_last=channels_last,
         tensor_table=_to_device(torch.tensor(rows, dtype=torch.int64), device),
         chunk_table=_to_device(chunk_table, device),
@@ -453,24 +493,28 @@ def _build_group(
     )
 
 
-def _build_plan(params, grads, moms, factors, steps, grad_signature) -> _Plan:
+def _build_plan(params, grads, moms, factors, steps, comps, grad_signature) -> _Plan:
     """Validates the tensors and groups them by dtypes and memory order (tensors in
     other layouts aside)."""
     device = params[0].device
-    by_kind: dict[tuple[torch.dtype, torch.dtype, bool], list[int]] = {}
+    by_kind: dict[tuple[tuple[torch.dtype, ...], bool], list[int]] = {}
     fallback = []
     for i, (p, g, m, fac, step) in enumerate(zip(params, grads, moms, factors, steps, strict=True)):
         _check(i, p, m, fac, step, device)
+        comp = comps[i]
+        if comp is not None and (comp.dtype != p.dtype or comp.device != device):
+            raise ValueError(f"tensor {i}: the compensation must be {p.dtype} on {device}")
         if g.dtype not in _TL_DTYPES:
             raise TypeError(f"tensor {i}: unsupported gradient dtype {g.dtype}")
         order = _memory_order(p, g, m, fac)
-        if order is None:
+        if order is None or (comp is not None and comp.stride() != p.stride()):
             fallback.append(i)
         elif p.numel():
-            by_kind.setdefault((p.dtype, g.dtype, order == "channels_last"), []).append(i)
+            kind = ((p.dtype, g.dtype, m.dtype), order == "channels_last")
+            by_kind.setdefault(kind, []).append(i)
     groups = [
-        _build_group(members, p_dtype, g_dtype, cl, params, moms, factors, steps, device)
-        for (p_dtype, g_dtype, cl), members in by_kind.items()
+        _build_group(members, dtypes, cl, params, moms, factors, steps, comps, device)
+        for (dtypes, cl), members in by_kind.items()
     ]
     _STATS["plans"] += 1
     keep_alive = [f for f in factors if f is not None]
@@ -491,9 +535,9 @@ def _load_grads(plan: _Plan, grads: list[torch.Tensor], grad_ptrs: tuple[int, ..
     _STATS["grad_tables"] += 1
 
 
-def _get_plan(params, grads, moms, factors, steps) -> _Plan:
+def _get_plan(params, grads, moms, factors, steps, comps) -> _Plan:
     """The cached plan for these tensors, built or updated as needed."""
-    key = _plan_key(params, moms, factors, steps)
+    key = _plan_key(params, moms, factors, steps, comps)
     grad_ptrs = tuple(map(_data_ptr, grads))
     plan = _PLANS.get(key)
     if plan is not None:
@@ -502,7 +546,7 @@ def _get_plan(params, grads, moms, factors, steps) -> _Plan:
             return plan  # the steady state: nothing to check or copy
     signature = _grad_signature(grads)
     if plan is None or signature != plan.grad_signature:
-        plan = _PLANS[key] = _build_plan(params, grads, moms, factors, steps, signature)
+        plan = _PLANS[key] = _build_plan(params, grads, moms, factors, steps, comps, signature)
         if len(_PLANS) > _MAX_PLANS:
             _PLANS.popitem(last=False)
     _load_grads(plan, grads, grad_ptrs)
@@ -528,7 +572,9 @@ def clear_cache() -> None:
         _STATS[k] = 0
 
 
-def _launch(plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize) -> tuple[int, ...]:
+def _launch(
+    plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize, rounding, seed
+) -> tuple[int, ...]:
     """Runs one step with ``plan``'s tables; returns the positions it left alone."""
     lr_is_tensor = isinstance(lr, torch.Tensor)
     if lr_is_tensor and lr.device != plan.device:
@@ -536,7 +582,9 @@ def _launch(plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize) -
     decay = bool(weight_decay)
     constexprs = (lr_is_tensor, bool(maximize), decay and not decoupled, decay and decoupled)
     lr_ptr = lr.data_ptr() if lr_is_tensor else None
-    scalars = (float(beta), 1.0 - beta, float(weight_decay), float(damping))
+    rounding_code = ROUNDING_CODES[rounding]
+    # 31 bits: Triton passes a Python int below 2**31 as int32 whatever its value
+    scalars = (float(beta), 1.0 - beta, float(weight_decay), float(damping), seed & 0x7FFFFFFF)
     direct = direct_launch_supported(plan.device)
     with _on_device(plan.device):
         for group in plan.groups:
@@ -545,12 +593,15 @@ def _launch(plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize) -
             # direct launches pass addresses (see launch_compiled); the compiled code is
             # specialised on the constexprs and on the pointers' 16-byte alignment
             ptrs = [t.data_ptr() for t in tables]
-            key = (*constexprs, aligned, *(p % 16 == 0 for p in ptrs))
+            # a float32 weight is stored as computed: nothing to compensate or round
+            code = rounding_code if group.param_dtype != tl.float32 else 0
+            key = (*constexprs, code, aligned, *(p % 16 == 0 for p in ptrs))
             if lr_is_tensor:
                 key += (lr_ptr % 16 == 0,)
             compiled = group.compiled.get(key)
             if compiled is not None:
-                meta = (group.param_dtype, group.grad_dtype, *constexprs, aligned)
+                dtypes = (group.param_dtype, group.grad_dtype, group.mom_dtype, code)
+                meta = (*dtypes, *constexprs, aligned)
                 args = [*ptrs, 0.0 if lr_is_tensor else float(lr), lr_ptr, *scalars, *meta]
                 launch_compiled(compiled, (group.n_chunks,), [*args, group.channels_last, BLOCK])
                 continue
@@ -561,6 +612,8 @@ def _launch(plan: _Plan, lr, beta, weight_decay, damping, decoupled, maximize) -
                 *scalars,
                 PARAM_DTYPE=group.param_dtype,
                 GRAD_DTYPE=group.grad_dtype,
+                MOM_DTYPE=group.mom_dtype,
+                ROUNDING=code,
                 LR_IS_TENSOR=lr_is_tensor,
                 MAXIMIZE=bool(maximize),
                 L2_DECAY=decay and not decoupled,
@@ -588,6 +641,9 @@ def fused_adafisher(
     damping: float,
     decoupled: bool,
     maximize: bool = False,
+    comps: list[torch.Tensor | None] | None = None,
+    rounding: str = "nearest",
+    seed: int = 0,
 ) -> tuple[int, ...]:
     """Applies one AdaFisher step in place with one kernel launch per dtype group.
 
@@ -601,7 +657,7 @@ def fused_adafisher(
     Args:
         params: parameters on one device, of the :data:`FUSED_DTYPES`.
         grads: their gradients (same sizes; any of those dtypes).
-        moms: float32 momentum buffers.
+        moms: momentum buffers of the :data:`FUSED_DTYPES` (the arithmetic is float32).
         factors: per parameter, its :class:`ParamFactors` or ``None`` (F = 1).
         steps: per parameter, a one-element float32 tensor, already incremented.
         lr: learning rate: a float, or a one-element tensor on the params' device
@@ -611,6 +667,9 @@ def fused_adafisher(
         damping: added to every preconditioner entry.
         decoupled: AdaFisherW's decoupled weight decay.
         maximize: ascend instead of descend (the gradient's sign is flipped).
+        comps: per parameter, its Kahan compensation buffer (``rounding="kahan"``).
+        rounding: ``"nearest"``, ``"kahan"`` or ``"stochastic"`` (bfloat16 weights).
+        seed: the random stream of stochastic rounding.
 
     Returns:
         The positions of the tensors left unchanged (a memory layout the kernel cannot
@@ -623,8 +682,10 @@ def fused_adafisher(
     """
     if not params:
         return ()
-    plan = _get_plan(params, grads, moms, factors, steps)
-    return _launch(plan, lr, beta, weight_decay, damping, decoupled, maximize)
+    comps = [None] * len(params) if comps is None else comps
+    plan = _get_plan(params, grads, moms, factors, steps, comps)
+    args = (lr, beta, weight_decay, damping, decoupled, maximize, rounding, seed)
+    return _launch(plan, *args)
 
 
 class FusedAdaFisher:
@@ -642,6 +703,8 @@ class FusedAdaFisher:
         moms: their float32 momentum buffers.
         factors: per parameter, its :class:`ParamFactors` or ``None`` (F = 1).
         steps: per parameter, a one-element float32 step tensor.
+        comps: per parameter, its Kahan compensation buffer (``rounding="kahan"``).
+        rounding: ``"nearest"``, ``"kahan"`` or ``"stochastic"``.
 
     Example:
         >>> p, m = torch.ones(3), torch.zeros(3)
@@ -657,9 +720,16 @@ class FusedAdaFisher:
         moms: list[torch.Tensor],
         factors: list[ParamFactors | None],
         steps: list[torch.Tensor],
+        *,
+        comps: list[torch.Tensor | None] | None = None,
+        rounding: str = "nearest",
     ) -> None:
         if not (len(params) == len(moms) == len(factors) == len(steps)) or not params:
             raise ValueError("params, moms, factors and steps must be non-empty and match")
+        if rounding not in ROUNDING_CODES:
+            raise ValueError(f"rounding={rounding!r}: must be one of {tuple(ROUNDING_CODES)}")
+        self.comps = [None] * len(params) if comps is None else list(comps)
+        self.rounding = rounding
         self.params = list(params)
         self.moms = list(moms)
         self.factors = list(factors)
@@ -677,6 +747,7 @@ class FusedAdaFisher:
         damping: float,
         decoupled: bool,
         maximize: bool = False,
+        seed: int = 0,
     ) -> tuple[int, ...]:
         """One step with these gradients (one per parameter, same order); arguments and
         result as for :func:`fused_adafisher`."""
@@ -687,12 +758,13 @@ class FusedAdaFisher:
         plan = self._plan
         moved = plan is None or param_ptrs != self._param_ptrs
         if moved or (grad_ptrs != plan.grad_ptrs and _grad_signature(grads) != plan.grad_signature):
-            args = (self.params, grads, self.moms, self.factors, self.steps)
+            args = (self.params, grads, self.moms, self.factors, self.steps, self.comps)
             plan = self._plan = _build_plan(*args, _grad_signature(grads))
             self._param_ptrs = param_ptrs
         if grad_ptrs != plan.grad_ptrs:
             _load_grads(plan, grads, grad_ptrs)
-        return _launch(plan, lr, beta, weight_decay, damping, decoupled, maximize)
+        args = (lr, beta, weight_decay, damping, decoupled, maximize, self.rounding, seed)
+        return _launch(plan, *args)
 
     @property
     def launches(self) -> list[tuple[torch.dtype, torch.dtype, bool, int]]:

@@ -5,7 +5,7 @@ Modules: ``probe`` (device memory, error classes), ``sizing`` (which micro-batch
 ``retry`` (re-running a step after an OOM), ``distributed`` (ranks agreeing),
 ``batches`` (slicing a batch into pieces), ``rollback`` (BatchNorm statistics restored
 on a re-run or a recompute), ``elastic`` (the controller that uses them) and
-``checkpointing``.
+``checkpointing``; ``ledger`` counts a run's bytes per parameter by kind.
 
 Example:
     >>> from torch import nn
@@ -23,6 +23,7 @@ from hf_triaccel.memory.checkpointing import (
     find_blocks,
 )
 from hf_triaccel.memory.elastic import ElasticBatchController, ElasticEvent
+from hf_triaccel.memory.ledger import MemoryLedger, count_ledger, measure_step
 from hf_triaccel.memory.probe import (
     CudaMemoryProbe,
     MemoryProbe,
@@ -42,6 +43,7 @@ __all__ = [
     "ElasticBatchController",
     "ElasticBatchError",
     "ElasticEvent",
+    "MemoryLedger",
     "MemoryProbe",
     "MemorySnapshot",
     "NullProbe",
@@ -50,10 +52,12 @@ __all__ = [
     "StepRollback",
     "batch_size",
     "checkpoint_largest_blocks",
+    "count_ledger",
     "default_probe",
     "enable_activation_checkpointing",
     "find_blocks",
     "is_fatal_cuda_error",
     "is_oom",
+    "measure_step",
     "slice_batch",
 ]

@@ -1,5 +1,9 @@
 """AdaFisher and AdaFisherW: diagonal Kronecker-factored Fisher preconditioning.
 
+Over 400 lines: one torch optimizer class (construction and its checks, the step, the
+state-dict round trip); the per-group plans, the update, gradient release and the saved
+state's format are modules of their own.
+
 The optimizer decides *when* statistics are taken (every ``update_every`` optimizer
 steps, plus before the first step) and folds them into the factors held by a
 :class:`~hf_triaccel.curvature.collector.FisherCollector`. The collector, not the
@@ -31,6 +35,7 @@ from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.dispatch import resolve_impl
 from hf_triaccel.optim.checkpoint import (
     FISHER_KEY,
+    ROUNDING_SEED_KEY,
     SCHEDULE_KEY,
     check_loadable,
     restore_states,
@@ -44,6 +49,7 @@ from hf_triaccel.optim.config import (
 from hf_triaccel.optim.functional import prepare_adafisher
 from hf_triaccel.optim.groups import param_groups
 from hf_triaccel.optim.plans import GroupPlan, plan_group
+from hf_triaccel.optim.release import GradientRelease, check_releasable
 
 _TORCH_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 _grad_of = operator.attrgetter("grad")
@@ -54,9 +60,13 @@ class AdaFisher(Optimizer):
     """AdaFisher with L2 weight decay (docs/design.md, "AdaFisher").
 
     A torch optimizer: param groups, ``state_dict`` / ``load_state_dict``, closures,
-    ``copy.deepcopy``. A float64 parameter is updated in float64 with a float64
-    momentum; float32, bfloat16 and float16 ones in float32 with a float32 momentum.
-    Complex parameters are refused.
+    ``copy.deepcopy``. A float64 parameter is updated in float64 arithmetic; float32,
+    bfloat16 and float16 ones in float32. The momentum is kept in ``state_dtype`` (default:
+    the arithmetic's); bfloat16 and float16 weights store their update as
+    ``weight_rounding`` says (with ``"kahan"``, a ``compensation`` buffer per parameter
+    in its state). With ``release_grads=True`` the steps that do not refresh the factors
+    run during the backward pass (:mod:`hf_triaccel.optim.release`; ``release`` holds
+    the hooks). Complex parameters are refused.
 
     Args:
         params: parameters or param groups, as for any torch optimizer; a group may
@@ -77,7 +87,9 @@ class AdaFisher(Optimizer):
 
     Raises:
         ValueError: a hyperparameter out of range (naming the field), flags that
-            disagree, or an ``ema`` other than the collector's.
+            disagree, an ``ema`` other than the collector's, ``weight_rounding="stochastic"``
+            with float16 weights, or ``release_grads=True`` with sharded parameters or
+            several processes.
         TypeError: a complex parameter, or a collector of another type.
 
     Example:
@@ -146,6 +158,21 @@ class AdaFisher(Optimizer):
         self.factor_init = config.factor_init
         self.impl = config.impl
         self.fisher_steps = 0
+        params = [p for group in self.param_groups for p in group["params"]]
+        if config.weight_rounding == "stochastic" and any(p.dtype == torch.float16 for p in params):
+            raise ValueError(
+                f"{name}.weight_rounding='stochastic' rounds bfloat16 weights; float16 ones "
+                "need weight_rounding='kahan'"
+            )
+        # the random stream of stochastic rounding, drawn from torch's generator so that a
+        # seeded run repeats (only when used: other runs' random streams stay as they were);
+        # saved with the state
+        stochastic = config.weight_rounding == "stochastic"
+        self.rounding_seed = int(torch.randint(0, 2**31 - 1, ()).item()) if stochastic else 0
+        self.release: GradientRelease | None = None
+        if config.release_grads:
+            check_releasable(params, name)
+            self.release = GradientRelease(self)
         self._plans: list[GroupPlan | None] = []
         self._sync_collecting()
 
@@ -195,8 +222,17 @@ class AdaFisher(Optimizer):
             raise
 
     def _sync_collecting(self) -> None:
+        refresh = self.fisher_steps % self.update_every == 0
         if self.collector is not None:
-            self.collector.collecting = self.fisher_steps % self.update_every == 0
+            self.collector.collecting = refresh
+        if self.release is not None:
+            self.release.step_finished(refresh_next=self.collector is not None and refresh)
+
+    def rounding_seed_for(self, stream: int) -> int:
+        """The seed of stochastic rounding for ``stream`` (a part of this step's update)
+        at the current step: different for every step and stream, the same on a resumed
+        run."""
+        return (self.rounding_seed + 1_000_003 * self.fisher_steps + 7919 * stream) & 0x7FFFFFFF
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -218,10 +254,14 @@ class AdaFisher(Optimizer):
         if collector is not None and collector.collecting:
             collector.fold(self.gamma, self.normalise)
         generation = 0 if collector is None else collector.generation
+        released = self.release is not None and self.release.active
+        stream = 0
         for i, group in enumerate(groups):
             params = group["params"]
             grads = list(map(_grad_of, params))
             has_grad = tuple(map(operator.is_not, grads, _NONES))
+            if released and not any(has_grad):
+                continue  # stepped by the hooks: the plan stays for the next refresh step
             plan = self._plans[i]
             if (
                 plan is None
@@ -241,6 +281,8 @@ class AdaFisher(Optimizer):
                     collector=collector,
                     impl=self.impl,
                     owner=type(self).__name__,
+                    state_dtype=self.config.resolved_state_dtype,
+                    rounding=self.config.weight_rounding,
                 )
             lr, beta = group["lr"], group["beta"]
             weight_decay, damping = group["weight_decay"], group["damping"]
@@ -249,7 +291,13 @@ class AdaFisher(Optimizer):
                 impl = resolve_impl(self.impl, part.device)
                 if impl != part.impl:
                     part.update = prepare_adafisher(
-                        part.params, part.moms, part.factors, part.steps, impl=impl
+                        part.params,
+                        part.moms,
+                        part.factors,
+                        part.steps,
+                        impl=impl,
+                        comps=part.comps,
+                        rounding=part.rounding,
                     )
                     part.impl = impl
                 part.counts.add_(1.0)
@@ -264,7 +312,9 @@ class AdaFisher(Optimizer):
                     damping=damping,
                     decoupled=self.decoupled,
                     maximize=group["maximize"],
+                    seed=self.rounding_seed_for(stream),
                 )
+                stream += 1
         self.fisher_steps += 1
         self._sync_collecting()
         return loss
@@ -276,6 +326,7 @@ class AdaFisher(Optimizer):
         sd = super().state_dict()
         for group in sd["param_groups"]:
             group[SCHEDULE_KEY] = self.fisher_steps
+            group[ROUNDING_SEED_KEY] = self.rounding_seed
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -291,11 +342,19 @@ class AdaFisher(Optimizer):
         state_dict = dict(state_dict)
         legacy = state_dict.pop(FISHER_KEY, None)
         check_loadable(state_dict, f"{type(self).__name__}.load_state_dict")
-        fisher_steps, state_dict["param_groups"] = saved_schedule(state_dict["param_groups"])
+        groups = state_dict["param_groups"]
+        seeds = [g[ROUNDING_SEED_KEY] for g in groups if ROUNDING_SEED_KEY in g]
+        groups = [{k: v for k, v in g.items() if k != ROUNDING_SEED_KEY} for g in groups]
+        fisher_steps, state_dict["param_groups"] = saved_schedule(groups)
         super().load_state_dict(state_dict)
+        if seeds:
+            self.rounding_seed = int(seeds[0])
         collector = self.collector
         restore_states(
-            self, state_dict, {} if collector is None else collector.checkpoint_tensors()
+            self,
+            state_dict,
+            {} if collector is None else collector.checkpoint_tensors(),
+            state_dtype=self.config.resolved_state_dtype,
         )
         self._plans = []  # the momenta and steps were replaced
         if legacy is not None:
@@ -309,9 +368,11 @@ class AdaFisher(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and pickle keep: torch's state (without its hooks, as
         torch does) and every public attribute. The step plans hold the addresses of
-        this optimizer's tensors: a copy builds its own at its first step."""
+        this optimizer's tensors: a copy builds its own at its first step, and steps every
+        parameter in ``step()`` (gradient release hooks stay with the original)."""
         state = super().__getstate__()
         state.update((k, v) for k, v in vars(self).items() if not k.startswith("_"))
+        state["release"] = None  # hooks on the original's parameters: a copy has none
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -322,6 +383,8 @@ class AdaFisher(Optimizer):
         # optimizers pickled before the setting existed folded with the published rule
         self.__dict__.setdefault("normalise", "absolute")
         self.__dict__.setdefault("factor_init", "ones")
+        self.__dict__.setdefault("rounding_seed", 0)
+        self.__dict__.setdefault("release", None)
 
 
 class AdaFisherW(AdaFisher):

@@ -31,6 +31,9 @@ SCHEDULE_KEY = "fisher_steps"
 """The param-group entry of a saved state dict that holds the refresh schedule: the
 optimizer steps taken, the same in every group."""
 
+ROUNDING_SEED_KEY = "rounding_seed"
+"""The param-group entry of a saved state dict that holds the seed of stochastic rounding."""
+
 GROUP_KEYS = ("lr", "beta", "damping", "weight_decay")
 STATE_KEYS = ("step", "momentum")
 
@@ -91,13 +94,15 @@ def restore_states(
     optimizer: Optimizer,
     state_dict: Mapping[str, Any],
     factor_tensors: Mapping[torch.Tensor, dict[str, torch.Tensor]] | None = None,
+    *,
+    state_dtype: torch.dtype | None = None,
 ) -> None:
     """Sets each parameter's state from its saved entry, after torch's
     ``load_state_dict``: torch casts the momentum to the parameter's dtype (a bfloat16
     one would lose bits) and leaves ``step`` as saved. The restored ``step`` is a
-    float32 tensor, the ``momentum`` of the parameter's compute dtype, both on its
-    device and both copies (torch would share the tensors of an optimizer's live
-    ``state_dict()``).
+    float32 tensor, the ``momentum`` of ``state_dtype`` (default: the parameter's compute
+    dtype), a saved ``compensation`` of the parameter's dtype, all on its device and all
+    copies (torch would share the tensors of an optimizer's live ``state_dict()``).
 
     ``factor_tensors`` gives, per parameter, its live factor tensors by state key (the
     collector's :meth:`~hf_triaccel.curvature.collector.FisherCollector.checkpoint_tensors`):
@@ -133,8 +138,10 @@ def restore_states(
         step = torch.as_tensor(saved["step"], dtype=torch.float32)  # a number in older torch
         state = {
             "step": step.to(p.device, copy=True),
-            "momentum": momentum.to(p.device, compute_dtype(p.dtype), copy=True),
+            "momentum": momentum.to(p.device, state_dtype or compute_dtype(p.dtype), copy=True),
         }
+        if "compensation" in saved:
+            state["compensation"] = saved["compensation"].to(p.device, p.dtype, copy=True)
         live = {} if factor_tensors is None else factor_tensors.get(p, {})
         for key, tensor in live.items():
             if key in saved:

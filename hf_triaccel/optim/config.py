@@ -28,6 +28,12 @@ import torch
 from hf_triaccel._types import DEFAULT_FACTOR_INIT, EMA_MODES, FACTOR_INITS, NORMALISE_MODES
 from hf_triaccel.dispatch import validate_impl
 
+STATE_DTYPES = (None, "float32", "bfloat16", "float16")
+"""The momentum storage dtypes :class:`AdaFisherConfig` accepts (``None``: the arithmetic's)."""
+
+ROUNDINGS = ("nearest", "kahan", "stochastic")
+"""How a weight stores its update (:mod:`hf_triaccel.optim.functional` describes each)."""
+
 DEFAULT_LR = 1.2e-2
 """AdaFisher's default learning rate, in every entry point: the best of the learning-rate
 grid of a CIFAR ResNet-18 at batch 512 under the published fold rule with the factors
@@ -159,6 +165,17 @@ class AdaFisherConfig:
             ``ema="paper"``, whose normalisation removes any constant seed.
         impl: ``"triton"``, ``"foreach"``, ``"reference"``, ``"auto"`` or ``None``
             (automatic; the ``HF_TRIACCEL_IMPL`` environment variable overrides automatic).
+        state_dtype: the momentum's storage, one of :data:`STATE_DTYPES` (``None``: the
+            update's arithmetic dtype). The arithmetic stays float32 (float64 for float64
+            parameters); the momentum is rounded to nearest when stored.
+        weight_rounding: how a weight narrower than the arithmetic stores its update:
+            ``"nearest"``, ``"kahan"`` (a compensation buffer of the weight's dtype per
+            parameter, 2 bytes per bfloat16 parameter) or ``"stochastic"`` (bfloat16
+            weights only). See :mod:`hf_triaccel.optim.functional`.
+        release_grads: gradient release (:mod:`hf_triaccel.optim.release`): on steps
+            that do not refresh the Fisher factors, each parameter is stepped from a
+            hook as soon as its gradient is complete, and the gradient freed; needs one
+            backward pass per optimizer step and unclipped, unscaled gradients.
 
     Raises:
         ValueError: a field out of its range, naming the field and what it needs.
@@ -215,6 +232,28 @@ class AdaFisherConfig:
         default=None,
         metadata={"help": "Kernels: triton, foreach or reference (default: automatic)."},
     )
+    state_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "The momentum's storage: float32, bfloat16 or float16 (default: the "
+            "update's arithmetic dtype, float32, or float64 for float64 parameters)."
+        },
+    )
+    weight_rounding: str = field(
+        default="nearest",
+        metadata={
+            "help": "How a bfloat16/float16 weight stores its update: nearest, kahan "
+            "(a compensation buffer of the weight's dtype carries what rounding drops) or "
+            "stochastic (bfloat16 weights)."
+        },
+    )
+    release_grads: bool = field(
+        default=False,
+        metadata={
+            "help": "Step each parameter during the backward pass as soon as its gradient "
+            "is complete, and free the gradient, on steps that do not refresh the factors."
+        },
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -241,6 +280,13 @@ class AdaFisherConfig:
             ("ema", self.ema in EMA_MODES, f"must be one of {EMA_MODES}"),
             ("normalise", self.normalise in NORMALISE_MODES, f"must be one of {NORMALISE_MODES}"),
             ("factor_init", self.factor_init in FACTOR_INITS, f"must be one of {FACTOR_INITS}"),
+            ("state_dtype", self.state_dtype in STATE_DTYPES, f"must be one of {STATE_DTYPES}"),
+            (
+                "weight_rounding",
+                self.weight_rounding in ROUNDINGS,
+                f"must be one of {ROUNDINGS}",
+            ),
+            ("release_grads", isinstance(self.release_grads, bool), "must be True or False"),
         )
         for name, ok, why in checks:
             if not ok:
@@ -256,6 +302,11 @@ class AdaFisherConfig:
         if self.update_every is not None:
             return self.update_every
         return 100 if self.ema == "reference" else 1
+
+    @property
+    def resolved_state_dtype(self) -> torch.dtype | None:
+        """``state_dtype`` as a torch dtype (``None``: the arithmetic's)."""
+        return None if self.state_dtype is None else getattr(torch, self.state_dtype)
 
     @classmethod
     def from_values(

@@ -1,5 +1,8 @@
 """The AdaFisher update, as one functional with three implementations.
 
+Over 400 lines: the three implementations, their routing and the storage rules of narrow
+weights are one contract (the arithmetic below), each implementation tested against it.
+
 For parameter ``theta`` with gradient ``grad`` (``-grad`` when maximizing), momentum
 ``m``, step ``t`` (already incremented) and preconditioner ``F`` (see
 :mod:`hf_triaccel.curvature.rules`; ``F = 1`` for parameters without factors)::
@@ -9,8 +12,20 @@ For parameter ``theta`` with gradient ``grad`` (``-grad`` when maximizing), mome
     AdaFisherW (decoupled): m = beta * m + (1 - beta) * grad
                             theta = theta - lr * (m / ((1 - beta^t) * F) + wd * theta)
 
-The arithmetic runs at :func:`compute_dtype` of the parameter, the momentum's dtype:
-float64 for float64 parameters, float32 for float32, bfloat16 and float16 ones.
+The arithmetic runs at :func:`compute_dtype` of the parameter: float64 for float64
+parameters, float32 for float32, bfloat16 and float16 ones. The momentum is stored in its
+own dtype (the compute dtype, or a narrower ``state_dtype``), rounded to nearest. The new
+weight ``theta + delta`` (``delta = -lr * direction``) is stored by one of
+:data:`~hf_triaccel.optim.config.ROUNDINGS`:
+
+- ``"nearest"``: rounded to nearest-even in the parameter's dtype (torch's ``copy_``);
+  on a bfloat16 weight an update below half a unit in the last place is lost.
+- ``"kahan"``: compensated summation with a buffer ``c`` of the parameter's dtype that
+  carries what the rounding dropped (``y = c + delta``; ``theta' = round(theta + y)``;
+  ``c' = round(y - (theta' - theta))``), so that ``theta + c`` follows the exact sum.
+- ``"stochastic"``: bfloat16 weights (float16 ones are refused): ``theta + delta``
+  rounded up or down with probabilities that make its expectation exact (16 random bits
+  added to the float32 value's dropped bits).
 
 - ``reference``: one tensor at a time, F materialised from index arithmetic.
 - ``foreach``: torch ``_foreach`` ops over all tensors of one compute dtype, F
@@ -31,7 +46,7 @@ import torch
 
 from hf_triaccel._types import FactorLayout, ParamFactors
 from hf_triaccel.dispatch import resolve_impl
-from hf_triaccel.optim.config import check_step_hyperparameters
+from hf_triaccel.optim.config import ROUNDINGS, check_step_hyperparameters
 
 Update = Callable[..., None]
 """An update bound to fixed tensors: ``update(grads, **hyperparameters)``."""
@@ -45,6 +60,41 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
         (torch.float32, torch.float64)
     """
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def is_narrow(dtype: torch.dtype) -> bool:
+    """Whether a weight of ``dtype`` is stored narrower than its update's arithmetic, so
+    that storing it rounds (and ``weight_rounding`` applies).
+
+    Example:
+        >>> is_narrow(torch.bfloat16), is_narrow(torch.float32)
+        (True, False)
+    """
+    return compute_dtype(dtype) != dtype
+
+
+def stochastic_bfloat16(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """float32 ``x`` rounded to bfloat16 stochastically: 16 uniform random bits added to
+    the 16 bits bfloat16 drops, then truncated, so each value rounds to its upper
+    neighbour with probability (distance to the lower) / (spacing). Non-finite values
+    keep their nearest rounding.
+
+    Example:
+        >>> x = torch.full((4096,), 1.0 + 2.0**-9)  # a quarter of the way to the next bf16
+        >>> up = stochastic_bfloat16(x, torch.Generator().manual_seed(0)) > 1.0
+        >>> 0.2 < up.float().mean().item() < 0.3
+        True
+    """
+    bits = x.view(torch.int32)
+    noise = torch.randint(
+        0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator
+    )
+    rounded = ((bits + noise) & -65536).view(torch.float32)
+    return torch.where(x.isfinite(), rounded, x).to(torch.bfloat16)
+
+
+def _rounding_generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device).manual_seed(seed)
 
 
 def preconditioner(
@@ -134,9 +184,14 @@ def _reference_update(
     damping,
     decoupled,
     maximize=False,
+    comps=None,
+    rounding="nearest",
+    seed=0,
 ) -> None:
-    for p, grad, m, fac, step in zip(params, grads, moms, factors, steps, strict=True):
-        dtype = m.dtype
+    generator = _rounding_generator(params[0].device, seed) if rounding == "stochastic" else None
+    comps = comps if comps is not None else [None] * len(params)
+    for p, grad, m, fac, step, comp in zip(params, grads, moms, factors, steps, comps, strict=True):
+        dtype = compute_dtype(p.dtype)
         theta = p.to(dtype)
         g = grad.to(dtype)
         if maximize:
@@ -144,12 +199,25 @@ def _reference_update(
         bias_correction = 1.0 - beta ** step.to(dtype)
         if not decoupled and weight_decay:
             g = g + weight_decay * theta
-        m.mul_(beta).add_(g, alpha=1.0 - beta)
+        mom = m.to(dtype)
+        mom.mul_(beta).add_(g, alpha=1.0 - beta)
+        if mom is not m:
+            m.copy_(mom)
         fisher = preconditioner(p, fac, damping, dtype)
-        direction = m / bias_correction if fisher is None else m / (bias_correction * fisher)
+        direction = mom / bias_correction if fisher is None else mom / (bias_correction * fisher)
         if decoupled and weight_decay:
             direction = direction + weight_decay * theta
-        p.copy_(theta - lr * direction)
+        if p.dtype == dtype:  # nothing is rounded away in storing the weight
+            p.copy_(theta - lr * direction)
+        elif rounding == "kahan":
+            y = comp.to(dtype) - lr * direction
+            new = (theta + y).to(p.dtype)
+            comp.copy_(y - (new.to(dtype) - theta))
+            p.copy_(new)
+        elif rounding == "stochastic":
+            p.copy_(stochastic_bfloat16(theta - lr * direction, generator))
+        else:
+            p.copy_(theta - lr * direction)
 
 
 def _foreach_update(
@@ -165,17 +233,25 @@ def _foreach_update(
     damping,
     decoupled,
     maximize=False,
+    comps=None,
+    rounding="nearest",
+    seed=0,
 ) -> None:
-    """The ``_foreach`` update of tensors that share one compute dtype (their momenta's)."""
-    dtype = moms[0].dtype
+    """The ``_foreach`` update of tensors that share one compute dtype."""
+    dtype = compute_dtype(params[0].dtype)
     thetas = [p.to(dtype) for p in params]
     gs = [g.to(dtype) for g in grads]
+    # momenta stored narrower than the arithmetic are widened, then stored back
+    mom_work = [m.to(dtype) for m in moms]
+    narrow = [i for i, (m, w) in enumerate(zip(moms, mom_work, strict=True)) if m is not w]
     if maximize:
         gs = torch._foreach_neg(gs)
     if not decoupled and weight_decay:
         gs = torch._foreach_add(gs, thetas, alpha=weight_decay)
-    torch._foreach_mul_(moms, beta)
-    torch._foreach_add_(moms, gs, alpha=1.0 - beta)
+    torch._foreach_mul_(mom_work, beta)
+    torch._foreach_add_(mom_work, gs, alpha=1.0 - beta)
+    if narrow:
+        torch._foreach_copy_(_pick(moms, narrow), _pick(mom_work, narrow))
     # bias_correction * F, one tensor per parameter (F = 1 where a parameter has no factors)
     exponents = steps if dtype == torch.float32 else [s.to(dtype) for s in steps]
     bias_corrections = torch._foreach_neg(torch._foreach_pow(beta, exponents))
@@ -191,44 +267,75 @@ def _foreach_update(
             strict=True,
         )
     ]
-    directions = torch._foreach_div(moms, denoms)
+    directions = torch._foreach_div(mom_work, denoms)
     if decoupled and weight_decay:
         torch._foreach_add_(directions, thetas, alpha=weight_decay)
+    if rounding == "nearest" or params[0].dtype == dtype:  # routed apart: all or none narrow
+        if isinstance(lr, torch.Tensor):
+            torch._foreach_mul_(directions, lr.to(dtype))
+            torch._foreach_sub_(thetas, directions)
+        else:
+            torch._foreach_add_(thetas, directions, alpha=-lr)
+        torch._foreach_copy_(params, thetas)
+        return
+    # lr * direction, rounded once, as the reference forms it
     if isinstance(lr, torch.Tensor):
         torch._foreach_mul_(directions, lr.to(dtype))
-        torch._foreach_sub_(thetas, directions)
     else:
-        torch._foreach_add_(thetas, directions, alpha=-lr)
-    torch._foreach_copy_(params, thetas)
+        torch._foreach_mul_(directions, lr)
+    if rounding == "kahan":
+        ys = torch._foreach_sub([c.to(dtype) for c in comps], directions)
+        news = [s.to(p.dtype) for s, p in zip(torch._foreach_add(thetas, ys), params, strict=True)]
+        kept = torch._foreach_sub([n.to(dtype) for n in news], thetas)
+        torch._foreach_copy_(comps, torch._foreach_sub(ys, kept))
+        torch._foreach_copy_(params, news)
+    else:
+        generator = _rounding_generator(params[0].device, seed)
+        news = torch._foreach_sub(thetas, directions)
+        torch._foreach_copy_(params, [stochastic_bfloat16(n, generator) for n in news])
 
 
 def _pick(tensors: list, positions: tuple[int, ...] | list[int]) -> list:
     return [tensors[i] for i in positions]
 
 
-def _bind(run: Callable[..., None], params, moms, factors, steps) -> Update:
+def _bind(run: Callable[..., None], params, moms, factors, steps, comps, rounding) -> Update:
     """``run`` (the reference or ``foreach`` update) bound to these tensors."""
 
     def update(grads: list[torch.Tensor], **hyperparameters) -> None:
         with torch.no_grad():
-            run(params, grads, moms, factors, steps, **hyperparameters)
+            run(
+                params,
+                grads,
+                moms,
+                factors,
+                steps,
+                comps=comps,
+                rounding=rounding,
+                **hyperparameters,
+            )
 
     return update
 
 
-def _bind_fused(params, moms, factors, steps) -> Update:
+def _bind_fused(params, moms, factors, steps, comps, rounding) -> Update:
     """The fused kernel bound to these tensors, then the ``foreach`` path on any it
     leaves for their memory layout (their positions come back from each call)."""
     from hf_triaccel.kernels.update import FusedAdaFisher
 
-    kernel = FusedAdaFisher(params, moms, factors, steps)
+    kernel = FusedAdaFisher(params, moms, factors, steps, comps=comps, rounding=rounding)
 
     def update(grads: list[torch.Tensor], **hyperparameters) -> None:
         left = kernel(grads, **hyperparameters)
         if left:
             with torch.no_grad():
                 tensors = (params, grads, moms, factors, steps)
-                _foreach_update(*(_pick(t, left) for t in tensors), **hyperparameters)
+                _foreach_update(
+                    *(_pick(t, left) for t in tensors),
+                    comps=_pick(comps, left),
+                    rounding=rounding,
+                    **hyperparameters,
+                )
 
     return update
 
@@ -247,8 +354,8 @@ def _routed(parts: list[tuple[list[int], Update]], n: int) -> Update:
 
 def _route(params: list[torch.Tensor], name: str) -> list[tuple[str, list[int]]]:
     """Which implementation updates which tensors: ``reference`` takes all; ``foreach``
-    runs once per compute dtype; ``triton`` takes the kernel's dtypes and leaves the
-    others to ``foreach``."""
+    runs once per compute dtype and per kind of weight (narrower than the arithmetic, or
+    not); ``triton`` takes the kernel's dtypes and leaves the others to ``foreach``."""
     if name == "reference":
         return [("reference", list(range(len(params))))]
     fused: tuple[torch.dtype, ...] = ()
@@ -256,29 +363,46 @@ def _route(params: list[torch.Tensor], name: str) -> list[tuple[str, list[int]]]
         from hf_triaccel.kernels.update import FUSED_DTYPES
 
         fused = FUSED_DTYPES
-    routes: dict[str | torch.dtype, list[int]] = {}
+    routes: dict[object, list[int]] = {}
     for i, p in enumerate(params):
-        routes.setdefault("triton" if p.dtype in fused else compute_dtype(p.dtype), []).append(i)
+        key = "triton" if p.dtype in fused else (compute_dtype(p.dtype), is_narrow(p.dtype))
+        routes.setdefault(key, []).append(i)
     return [("triton" if k == "triton" else "foreach", pos) for k, pos in routes.items()]
 
 
-def _check_tensors(params, moms, factors, steps) -> None:
-    """What the updates take for granted: matching lists, momenta of the compute dtype
-    and shape, one-element step tensors; complex parameters are refused."""
-    if not (len(params) == len(moms) == len(factors) == len(steps)):
-        raise ValueError("params, moms, factors and steps must have the same length")
-    for i, (p, m, s) in enumerate(zip(params, moms, steps, strict=True)):
+def _check_tensors(params, moms, factors, steps, comps, rounding) -> None:
+    """What the updates take for granted: matching lists, floating-point momenta of the
+    parameter's shape, one-element step tensors, with ``"kahan"`` a compensation buffer
+    of the parameter's dtype and shape for each weight narrower than the arithmetic, with
+    ``"stochastic"`` no float16 weight; complex parameters are refused."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r}: must be one of {ROUNDINGS}")
+    if not (len(params) == len(moms) == len(factors) == len(steps) == len(comps)):
+        raise ValueError("params, moms, factors, steps and comps must have the same length")
+    for i, (p, m, s, c) in enumerate(zip(params, moms, steps, comps, strict=True)):
         if not p.is_floating_point():
             raise TypeError(
                 f"params[{i}]: AdaFisher updates real floating-point tensors, got {p.dtype}"
             )
-        if m.dtype != compute_dtype(p.dtype) or m.shape != p.shape:
+        if not m.is_floating_point() or m.shape != p.shape:
             raise ValueError(
-                f"moms[{i}]: momentum must be {compute_dtype(p.dtype)} of the parameter's "
+                f"moms[{i}]: momentum must be a floating-point tensor of the parameter's "
                 f"shape {tuple(p.shape)} (got {m.dtype}, {tuple(m.shape)})"
             )
         if not isinstance(s, torch.Tensor) or s.numel() != 1:
             raise ValueError(f"steps[{i}]: a step must be a one-element tensor")
+        if not is_narrow(p.dtype):
+            continue
+        if rounding == "kahan" and (c is None or c.dtype != p.dtype or c.shape != p.shape):
+            raise ValueError(
+                f"comps[{i}]: rounding='kahan' needs a compensation buffer of the "
+                f"parameter's dtype {p.dtype} and shape {tuple(p.shape)}"
+            )
+        if rounding == "stochastic" and p.dtype != torch.bfloat16:
+            raise ValueError(
+                f"params[{i}]: rounding='stochastic' rounds bfloat16 weights, got {p.dtype} "
+                "(use rounding='kahan' for float16 weights)"
+            )
 
 
 _BINDERS = {
@@ -295,19 +419,21 @@ def prepare_adafisher(
     steps: list[torch.Tensor],
     *,
     impl: str | None = None,
+    comps: list[torch.Tensor | None] | None = None,
+    rounding: str = "nearest",
 ) -> Update:
     """:func:`adafisher` bound to one fixed set of tensors, for a caller that updates
     the same tensors on every step (the optimizer).
 
     The returned callable takes ``grads`` and the keyword hyperparameters of
-    :func:`adafisher`. The tensors are routed here, once: with the Triton
-    implementation, parameters of the kernel's dtypes go to a
+    :func:`adafisher` (``seed`` included). The tensors are routed here, once: with the
+    Triton implementation, parameters of the kernel's dtypes go to a
     :class:`~hf_triaccel.kernels.update.FusedAdaFisher` (which checks only the
     parameters' and gradients' addresses per call), the others, and any the kernel
     leaves for their memory layout, to the ``foreach`` path, which runs once per compute
-    dtype. The caller prepares again when the momenta, steps or factor vectors change.
-    The hyperparameters are not validated on each call: that is left to the caller
-    (:func:`~hf_triaccel.optim.config.check_step_hyperparameters`).
+    dtype. The caller prepares again when the momenta, steps, compensation buffers or
+    factor vectors change. The hyperparameters are not validated on each call: that is
+    left to the caller (:func:`~hf_triaccel.optim.config.check_step_hyperparameters`).
 
     Example:
         >>> p = torch.ones(3); m = torch.zeros(3)
@@ -319,10 +445,11 @@ def prepare_adafisher(
     """
     if not params:
         raise ValueError("prepare_adafisher needs at least one parameter")
-    _check_tensors(params, moms, factors, steps)
-    tensors = (params, moms, factors, steps)
+    comps = [None] * len(params) if comps is None else list(comps)
+    _check_tensors(params, moms, factors, steps, comps, rounding)
+    tensors = (params, moms, factors, steps, comps)
     parts = [
-        (positions, _BINDERS[name](*(_pick(t, positions) for t in tensors)))
+        (positions, _BINDERS[name](*(_pick(t, positions) for t in tensors), rounding))
         for name, positions in _route(params, resolve_impl(impl, params[0].device))
     ]
     return _routed(parts, len(params))
@@ -342,13 +469,18 @@ def adafisher(
     decoupled: bool,
     maximize: bool = False,
     impl: str | None = None,
+    comps: list[torch.Tensor | None] | None = None,
+    rounding: str = "nearest",
+    seed: int = 0,
 ) -> None:
     """Applies one AdaFisher step to ``params`` in place (see the module docstring).
 
     Args:
         params: real floating-point parameters, all on one device.
         grads: their gradients (same shapes).
-        moms: momentum buffers, of :func:`compute_dtype` of their parameter.
+        moms: momentum buffers (same shapes), of any floating dtype: the arithmetic runs
+            in :func:`compute_dtype` of the parameter, and the momentum is stored back
+            rounded to nearest in its own dtype.
         factors: per parameter, its :class:`ParamFactors` or ``None`` (F = 1).
         steps: per parameter, a one-element float32 tensor holding the step count
             *after* this step's increment.
@@ -359,6 +491,11 @@ def adafisher(
         decoupled: AdaFisherW's decoupled weight decay.
         maximize: ascend instead of descend (the gradient's sign is flipped).
         impl: ``"triton"``, ``"foreach"``, ``"reference"`` or ``None`` (automatic).
+        comps: per parameter, its compensation buffer (parameter dtype and shape) for
+            ``rounding="kahan"``; ignored otherwise.
+        rounding: how the new weight is stored, one of :data:`ROUNDINGS`.
+        seed: the random stream of ``rounding="stochastic"`` (the caller changes it
+            every step).
 
     Example:
         >>> p = torch.ones(3); g = torch.full((3,), 0.5); m = torch.zeros(3)
@@ -370,7 +507,8 @@ def adafisher(
     if not params:
         return
     check_step_hyperparameters(lr, beta, weight_decay, damping, owner="adafisher")
-    _check_tensors(params, moms, factors, steps)
+    comps = [None] * len(params) if comps is None else list(comps)
+    _check_tensors(params, moms, factors, steps, comps, rounding)
     if len(grads) != len(params):
         raise ValueError(f"expected {len(params)} gradients, got {len(grads)}")
     hyperparameters = dict(
@@ -380,19 +518,21 @@ def adafisher(
         damping=damping,
         decoupled=decoupled,
         maximize=maximize,
+        rounding=rounding,
+        seed=seed,
     )
     for name, positions in _route(params, resolve_impl(impl, params[0].device)):
-        tensors = (params, grads, moms, factors, steps)
+        tensors = (params, grads, moms, factors, steps, comps)
         if len(positions) != len(params):
             tensors = tuple(_pick(t, positions) for t in tensors)
         if name == "triton":
             from hf_triaccel.kernels.update import fused_adafisher
 
-            left = fused_adafisher(*tensors, **hyperparameters)
+            left = fused_adafisher(*tensors[:5], comps=tensors[5], **hyperparameters)
             if not left:
                 continue
             tensors = tuple(_pick(t, left) for t in tensors)
             name = "foreach"
         with torch.no_grad():
             run = _foreach_update if name == "foreach" else _reference_update
-            run(*tensors, **hyperparameters)
+            run(*tensors[:5], comps=tensors[5], **hyperparameters)

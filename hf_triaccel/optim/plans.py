@@ -21,7 +21,7 @@ from hf_triaccel._types import ParamFactors
 from hf_triaccel.curvature.collection.sharding import is_sharded, local_tensor
 from hf_triaccel.curvature.collector import FisherCollector
 from hf_triaccel.dispatch import resolve_impl
-from hf_triaccel.optim.functional import compute_dtype, prepare_adafisher
+from hf_triaccel.optim.functional import compute_dtype, is_narrow, prepare_adafisher
 
 
 @dataclass
@@ -34,6 +34,8 @@ class DevicePart:
     sharded: bool  # DTensor parameters: the gradients are DTensors too
     params: list[torch.Tensor]
     moms: list[torch.Tensor]
+    comps: list[torch.Tensor | None]  # Kahan compensation buffers (None: none kept)
+    rounding: str
     factors: list[ParamFactors | None]
     # One buffer of step counts, so that counting a step is one operation; each
     # parameter's state["step"] is a view of its entry, as torch optimizers keep it.
@@ -58,6 +60,27 @@ class GroupPlan:
     parts: list[DevicePart]
 
 
+def new_state(
+    p: torch.Tensor, state_dtype: torch.dtype | None, rounding: str
+) -> dict[str, torch.Tensor]:
+    """A parameter's first state: ``step`` 0, a zero ``momentum`` of ``state_dtype`` (or the
+    arithmetic's), and with ``rounding="kahan"`` on a weight narrower than the arithmetic,
+    a zero ``compensation`` of the weight's dtype.
+
+    Example:
+        >>> sorted(new_state(torch.zeros(2, dtype=torch.bfloat16), torch.bfloat16, "kahan"))
+        ['compensation', 'momentum', 'step']
+    """
+    # DTensors like a DTensor parameter: checkpointing saves them sharded
+    entry = {
+        "step": torch.zeros((), dtype=torch.float32, device=p.device),
+        "momentum": torch.zeros_like(p, dtype=state_dtype or compute_dtype(p.dtype)),
+    }
+    if rounding == "kahan" and is_narrow(p.dtype):
+        entry["compensation"] = torch.zeros_like(p)
+    return entry
+
+
 def plan_group(
     state: dict[Any, Any],
     group: dict[str, Any],
@@ -68,6 +91,8 @@ def plan_group(
     collector: FisherCollector | None,
     impl: str | None,
     owner: str,
+    state_dtype: torch.dtype | None = None,
+    rounding: str = "nearest",
 ) -> GroupPlan:
     """Creates the missing ``state`` of ``group``'s parameters with gradients (``step``, a
     ``momentum`` shaped like the parameter, and the factors of its layer from
@@ -82,6 +107,8 @@ def plan_group(
         collector: the Fisher collector, or ``None`` (F = 1 everywhere).
         impl: the optimizer's implementation choice.
         owner: the optimizer's name, for errors.
+        state_dtype: the momentum's dtype (``None``: the arithmetic's).
+        rounding: how the weights store their updates (``weight_rounding``).
 
     Raises:
         RuntimeError: a sparse gradient.
@@ -97,10 +124,10 @@ def plan_group(
             raise RuntimeError(f"{owner} does not support sparse gradients")
         entry = state[p]
         if not entry:
-            entry["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            # a DTensor like a DTensor parameter: checkpointing saves it sharded
-            entry["momentum"] = torch.zeros_like(p, dtype=compute_dtype(p.dtype))
+            entry.update(new_state(p, state_dtype, rounding))
         entry.update(saved.get(p, {}))
+        if rounding == "kahan" and is_narrow(p.dtype) and "compensation" not in entry:
+            entry["compensation"] = torch.zeros_like(p)  # state saved without compensation
         by_device.setdefault((p.device, is_sharded(p)), []).append(j)
     parts = []
     for (device, sharded), positions in by_device.items():
@@ -112,6 +139,8 @@ def plan_group(
             entry["step"] = step
         factors = [by_param.get(p) for p in ps]
         moms = [local_tensor(e["momentum"]) for e in entries]
+        comps = [e.get("compensation") for e in entries]
+        comps = [None if c is None else local_tensor(c) for c in comps]
         ps = list(map(local_tensor, ps))
         resolved = resolve_impl(impl, device)
         parts.append(
@@ -121,11 +150,15 @@ def plan_group(
                 sharded=sharded,
                 params=ps,
                 moms=moms,
+                comps=comps,
+                rounding=rounding,
                 factors=factors,
                 counts=counts,
                 steps=steps,
                 impl=resolved,
-                update=prepare_adafisher(ps, moms, factors, steps, impl=resolved),
+                update=prepare_adafisher(
+                    ps, moms, factors, steps, impl=resolved, comps=comps, rounding=rounding
+                ),
             )
         )
     return GroupPlan(group, state, params, len(params), has_grad, generation, parts)

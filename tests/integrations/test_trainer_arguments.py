@@ -12,6 +12,7 @@ import torch
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
 
+from hf_triaccel.integrations.low_memory import LOW_MEMORY_STATE, low_memory_settings  # noqa: E402
 from hf_triaccel.integrations.plugin import TriAccelPlugin  # noqa: E402
 from hf_triaccel.integrations.trainer import TriAccelArguments, TriAccelTrainer  # noqa: E402
 from hf_triaccel.integrations.trainer_args import (  # noqa: E402
@@ -26,9 +27,14 @@ STOCK_LR = 5e-5
 
 def test_one_table_maps_every_hyperparameter_to_its_argument():
     """Each AdaFisherConfig field (and each controller setting) has one argument, which
-    takes the plugin's default and help."""
+    takes the plugin's default and help; the low-memory fields have one together,
+    ``triaccel_low_memory``."""
     settings = set(ARGUMENT_SETTINGS.values())
-    assert {f.name for f in dataclasses.fields(AdaFisherConfig)} <= settings
+    low_memory = set(LOW_MEMORY_STATE) | {"release_grads"}
+    assert {f.name for f in dataclasses.fields(AdaFisherConfig)} - low_memory <= settings
+    on = TriAccelArguments(output_dir="out", triaccel_low_memory=True, max_grad_norm=0.0)
+    assert set(low_memory_settings(on)) == low_memory
+    assert on.to_plugin().state_dtype == "bfloat16" and on.to_plugin().release_grads
     assert len(settings) == len(ARGUMENT_SETTINGS)  # no field renamed twice
     plugin = {f.name: f for f in dataclasses.fields(TriAccelPlugin)}
     arguments = {f.name: f for f in dataclasses.fields(TriAccelArguments)}
