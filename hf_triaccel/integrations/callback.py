@@ -170,13 +170,13 @@ class TriAccelCallback(TrainerCallback):
                 "builds; pass optimizer_cls_and_kwargs=callback.optimizer_cls_and_kwargs "
                 "to the Trainer (and no optimizers=...)"
             )
-        blockers = release_blockers(args)
-        if parts.optimizer.config.release_grads and blockers:
+        if parts.optimizer.config.release_grads and release_blockers(args):
             raise ValueError(
                 "TriAccelCallback: release_grads=True cannot release in this run: "
-                + "; ".join(blockers)
+                + "; ".join(release_blockers(args))
             )
-        announce_low_memory(args, kwargs["model"])
+        if kwargs.get("model") is not None:
+            announce_low_memory(args, kwargs["model"])
         collector = parts.optimizer.collector
         collector.grad_scaler = getattr(optimizer, "scaler", None)  # Accelerate's, under fp16
         if not collector.attached:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hf_triaccel.curvature.sharding import is_sharded
+from hf_triaccel.curvature.collection.sharding import is_sharded
 from hf_triaccel.dispatch import resolve_impl
 from hf_triaccel.optim.config import check_step_hyperparameters
 from hf_triaccel.optim.functional import is_narrow, prepare_adafisher
