@@ -35,6 +35,9 @@ else:
 _LAZY = {
     "AdaFisherFactory": "hf_triaccel.integrations.optimizers",
     "AdaFisherWFactory": "hf_triaccel.integrations.optimizers",
+    "CrashConsistentCheckpoints": "hf_triaccel.integrations.checkpoints",
+    "EXIT_PREEMPTED": "hf_triaccel.integrations.preemption",
+    "PreemptionHandler": "hf_triaccel.integrations.preemption",
     "TriAccelArgumentParser": "hf_triaccel.integrations.trainer_args",
     "TriAccelArguments": "hf_triaccel.integrations.trainer_args",
     "TriAccelMixin": "hf_triaccel.integrations.trainer",
@@ -42,6 +45,7 @@ _LAZY = {
     "TriAccelTrainer": "hf_triaccel.integrations.trainer",
     "prepare_triaccel": "hf_triaccel.integrations.plugin",
     "register_timm_optimizers": "hf_triaccel.integrations.timm_optim",
+    "last_complete_checkpoint": "hf_triaccel.integrations.checkpoints",
     "trainer_optimizer": "hf_triaccel.integrations.optimizers",
 }
 
@@ -53,14 +57,17 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "EXIT_PREEMPTED",
     "AdaFisher",
     "AdaFisherFactory",
     "AdaFisherW",
     "AdaFisherWFactory",
+    "CrashConsistentCheckpoints",
     "ElasticBatchController",
     "FactorLayout",
     "FisherCollector",
     "FisherRule",
+    "PreemptionHandler",
     "PrecisionController",
     "PrecisionPolicy",
     "PrecisionRule",
@@ -73,6 +80,7 @@ __all__ = [
     "TriAccelTrainer",
     "adafisher",
     "checkpoint_largest_blocks",
+    "last_complete_checkpoint",
     "prepare_triaccel",
     "register_fisher_rule",
     "register_timm_optimizers",

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LabelSmoother
-from transformers.trainer_utils import get_last_checkpoint
 
 from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.integrations import trainer_compat
+from hf_triaccel.integrations.checkpoints import CrashConsistentCheckpoints, resume_path
 from hf_triaccel.integrations.compiled import (
     CompileClock,
     check_cuda_graphs,
@@ -53,6 +53,7 @@ from hf_triaccel.integrations.layout import (
 from hf_triaccel.integrations.optimizers import FACTORIES
 from hf_triaccel.integrations.plugin import check_distributed_support
 from hf_triaccel.integrations.precision_report import PrecisionReport, write_precision_report
+from hf_triaccel.integrations.preemption import PreemptionHandler
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
 from hf_triaccel.integrations.trainer_args import (
     TriAccelArguments,
@@ -128,6 +129,13 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
                 min_micro_batch=setting(self.args, "elastic_min_micro_batch"),
                 target_fraction=setting(self.args, "elastic_target_fraction"),
             )
+        # -- preemption (.preemption) and crash-consistent checkpoints (.checkpoints) ----
+        signals = setting(self.args, "preemption_signals")
+        self.preemption = PreemptionHandler(signals) if signals else None
+        for callback in (self.preemption, CrashConsistentCheckpoints()):  # this order
+            if callback is not None:
+                self.add_callback(callback)
+        # ---------------------------------------------------------------------------------
 
     def _var_keyword(self) -> bool:
         return forward_parameters(self.model)[1]
@@ -251,6 +259,10 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
     # -- training -------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """The Trainer's ``train``; ``resume_from_checkpoint`` also takes ``"auto"`` (the
+        newest complete checkpoint, else a fresh start), and ``True`` means the newest
+        complete one (:func:`~hf_triaccel.integrations.checkpoints.resume_path`)."""
+        resume_from_checkpoint = resume_path(resume_from_checkpoint, self.args.output_dir)
         rebuild = self._built is not None and _inner(self.optimizer) is self._built
         if rebuild and not self._built.collector.attached and self.model_init is None:
             # detached when the last train() returned: rebuild the optimizer (a collector
@@ -258,10 +270,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
             self._carried_state = self._built.state_dict()
             self.optimizer = None
         if self.elastic is not None:
-            path = resume_from_checkpoint
-            if path is True:
-                path = get_last_checkpoint(self.args.output_dir)
-            self.elastic.resume(path or None)
+            self.elastic.resume(resume_from_checkpoint)
         self._log_settings()
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)

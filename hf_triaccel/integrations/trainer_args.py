@@ -224,6 +224,17 @@ you mean 'adamw_torch_fused'? ...
         "The Trainer feeds such a model its 4-D image batches in channels_last; sharded "
         "models (fsdp, deepspeed) are left as they are. Saved weights stay contiguous.",
     )
+    # -- preemption (hf_triaccel.integrations.preemption) --------------------------------
+    preemption_signals: str = field(
+        default="",
+        metadata={
+            "help": "Signals that stop training at the next optimizer step's end with a "
+            "complete checkpoint, then exit with status 3 (e.g. 'SIGTERM' or "
+            "'SIGTERM,SIGUSR1'); empty: off. Pair with --resume_from_checkpoint auto, which "
+            "resumes from the newest complete checkpoint and starts when there is none."
+        },
+    )
+    # -------------------------------------------------------------------------------------
     device_data_augment: bool = field(
         default=True,
         metadata={
