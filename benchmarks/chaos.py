@@ -1,0 +1,266 @@
+"""Chaos run: training jobs stopped at random moments and restarted with the same command,
+their final state compared bit for bit with an uninterrupted run's.
+
+Each scenario trains the tiny job of :mod:`hf_triaccel.testing.preemptible` (a two-layer
+network on a fixed synthetic set, CPU) once without interruption, then again from scratch,
+stopping it at random moments (a signal after a random delay, within the time that is left)
+and restarting it with the same command until it ends; a campaign is repeated until the
+scenario's number of stops is reached. A campaign ends ``exact`` (final model, with its
+per-sample visit counts, and optimizer state bitwise equal to the uninterrupted run's),
+``differed``, or ``failed`` (it never finished: a restart crashed twice in a row or hung).
+
+Scenarios: SIGTERM to the process or to its whole process group (AdaFisherW, AdamW, with
+gradient accumulation, with the elastic batch, with two DataLoader workers); SIGKILL while
+saves take 0.4 s more; DDP over 2 gloo processes with SIGTERM to one rank; and the same
+against the stock ``transformers.Trainer`` with ``enable_jit_checkpoint=True`` (resumed
+with ``resume_from_checkpoint=True`` when a checkpoint folder exists). One JSON line per
+campaign goes to ``benchmarks/results/chaos.jsonl``.
+
+Run: ``python -m benchmarks chaos`` (or ``python benchmarks/chaos.py``), ``--smoke`` for a
+few stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hf_triaccel.integrations.checkpoints import checkpoint_folders
+from hf_triaccel.integrations.preemption import EXIT_PREEMPTED
+from hf_triaccel.testing import preemptible as job
+
+NAME = "chaos"
+HELP = "Stop training jobs by SIGTERM / SIGKILL at random moments; check resumes end bitwise equal"
+RESULTS = Path(__file__).resolve().parent / "results" / "chaos.jsonl"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One configuration stopped ``stops`` times in all."""
+
+    name: str
+    trainer: str  # "triaccel" or "stock"
+    config: str
+    signum: int
+    stops: int
+    world_size: int = 1
+    slow_save: float = 0.0
+    group_every: int = 0  # every n-th signal goes to the whole process group (0: never)
+
+
+TERM, KILL = signal.SIGTERM, signal.SIGKILL
+SCENARIOS = [
+    Scenario("term-adafisherw", "triaccel", "adafisherw", TERM, 4, group_every=2),
+    Scenario("term-adamw", "triaccel", "adamw", TERM, 4, group_every=2),
+    Scenario("term-accumulation", "triaccel", "accumulation", TERM, 4, group_every=2),
+    Scenario("term-elastic", "triaccel", "elastic", TERM, 4, group_every=2),
+    Scenario("term-workers", "triaccel", "workers", TERM, 4, group_every=1),
+    Scenario("kill-adafisherw", "triaccel", "adafisherw", KILL, 10, slow_save=0.4),
+    Scenario("kill-adamw", "triaccel", "adamw", KILL, 10, slow_save=0.4),
+    Scenario("ddp-adamw", "triaccel", "adamw", TERM, 5, world_size=2),
+    Scenario("ddp-adafisherw", "triaccel", "adafisherw", TERM, 5, world_size=2),
+    Scenario("stock-term-adamw", "stock", "adamw", TERM, 7, group_every=2),
+    Scenario("stock-term-accumulation", "stock", "adamw_accumulation", TERM, 7, group_every=2),
+    Scenario("stock-term-workers", "stock", "workers", TERM, 6, group_every=1),
+    Scenario("stock-kill-adamw", "stock", "adamw", KILL, 20, slow_save=0.4),
+    Scenario("stock-ddp-adamw", "stock", "adamw", TERM, 10, world_size=2),
+]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def last_step(output_dir: str) -> int:
+    """The highest ``checkpoint-N`` step in ``output_dir`` (0 when none)."""
+    return max((step for step, _ in checkpoint_folders(output_dir)), default=0)
+
+
+def run_launch(
+    argv: list[str], scenario: Scenario, delay: float | None, rng: random.Random, timeout: float
+) -> dict[str, Any]:
+    """One launch of the job's ranks, signalled after ``delay`` seconds (``None``: not at
+    all); returns the exit codes and whether the signal reached a running job."""
+    processes = job.run_ranks(argv, scenario.world_size, free_port())
+    began = time.monotonic()
+    signalled = None
+    if delay is not None:
+        while time.monotonic() - began < delay and any(p.is_alive() for p in processes):
+            time.sleep(0.01)
+        if all(p.is_alive() for p in processes):
+            target = rng.randrange(len(processes))
+            group = bool(scenario.group_every) and rng.randrange(scenario.group_every) == 0
+            if scenario.signum == signal.SIGKILL:
+                for p in processes:
+                    job.send(p, signal.SIGKILL, group=True)
+                group = True
+            else:
+                job.send(processes[target], scenario.signum, group=group)
+            signalled = {"rank": target, "group": group, "after_s": round(delay, 3)}
+    hung = False
+    for p in processes:
+        p.join(max(0.1, timeout - (time.monotonic() - began)))
+        if p.is_alive():
+            hung = True
+    if hung:
+        for p in processes:
+            job.send(p, signal.SIGKILL, group=True)
+            p.join()
+    return {
+        "codes": [p.exitcode for p in processes],
+        "signalled": signalled,
+        "hung": hung,
+        "seconds": round(time.monotonic() - began, 3),
+    }
+
+
+def job_argv(scenario: Scenario, output_dir: str) -> list[str]:
+    """The job's command line (the same for every launch of a campaign)."""
+    argv = ["--output_dir", output_dir, "--config", scenario.config, "--trainer", scenario.trainer]
+    if scenario.slow_save:
+        argv += ["--slow_save", str(scenario.slow_save)]
+    return argv
+
+
+def campaign(
+    scenario: Scenario,
+    reference: dict[str, Any],
+    ref_seconds: float,
+    total_steps: int,
+    output_dir: str,
+    wanted: int,
+    rng: random.Random,
+    timeout: float,
+) -> dict[str, Any]:
+    """Runs the job from scratch to its end with up to ``wanted`` stops."""
+    argv = job_argv(scenario, output_dir)
+    launches, stops, crashes_in_a_row = [], 0, 0
+    result = "failed"
+    while len(launches) < 3 * wanted + 6:
+        job.clear_stops(output_dir)
+        left = 1 - last_step(output_dir) / max(total_steps, 1)
+        window = 0.9 * ref_seconds * (0.3 + 0.7 * left)  # the time this launch likely has
+        delay = rng.uniform(0.05, window) if stops < wanted else None
+        launch = run_launch(argv, scenario, delay, rng, timeout)
+        if os.path.isdir(output_dir):
+            launch["stops"] = job.stops(output_dir)
+        launches.append(launch)
+        codes = launch["codes"]
+        if launch["signalled"] is not None:
+            stops += 1
+        if all(code == 0 for code in codes):
+            final = job.load_final(output_dir)
+            result = (
+                "exact" if final is not None and job.same_state(reference, final) else "differed"
+            )
+            break
+        stopped = launch["signalled"] is not None and not launch["hung"]
+        expected = {EXIT_PREEMPTED, -signal.SIGKILL, -signal.SIGTERM, 0}
+        if stopped and set(codes) <= expected:
+            crashes_in_a_row = 0
+        else:
+            crashes_in_a_row += 1
+            if crashes_in_a_row >= 2:
+                break
+    return {"result": result, "stops": stops, "launches": launches}
+
+
+def run_scenario(
+    scenario: Scenario, work: str, rng: random.Random, timeout: float, scale: float
+) -> list[dict[str, Any]]:
+    """The reference run, then campaigns until the scenario's stops are reached."""
+    ref_dir = os.path.join(work, scenario.name, "reference")
+    began = time.monotonic()
+    ref_launch = run_launch(job_argv(scenario, ref_dir), scenario, None, rng, timeout)
+    ref_seconds = time.monotonic() - began
+    reference = job.load_final(ref_dir)
+    if reference is None:
+        raise RuntimeError(f"{scenario.name}: the uninterrupted run failed: {ref_launch}")
+    total = last_step(ref_dir)
+    wanted, done, records, index = max(1, round(scenario.stops * scale)), 0, [], 0
+    while done < wanted:
+        out = os.path.join(work, scenario.name, f"campaign-{index}")
+        outcome = campaign(
+            scenario, reference, ref_seconds, total, out, wanted - done, rng, timeout
+        )
+        done += outcome["stops"]
+        index += 1
+        record = {
+            "scenario": scenario.name,
+            **{k: v for k, v in asdict(scenario).items() if k not in ("name", "stops")},
+            "signal": signal.Signals(scenario.signum).name,
+            "reference_seconds": round(ref_seconds, 3),
+            "total_steps": total,
+            **outcome,
+        }
+        record.pop("signum")
+        records.append(record)
+        print(
+            f"{scenario.name}: campaign {index}: {outcome['result']} after "
+            f"{outcome['stops']} stops, {len(outcome['launches'])} launches",
+            flush=True,
+        )
+        if index >= 2 * wanted + 2:
+            break  # runs that end before their signals: reported with the stops they had
+    return records
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The chaos run's flags."""
+    parser.add_argument(
+        "--scenarios", default="all", help="comma-separated scenario names, or 'all'"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="a quarter of the stops")
+    parser.add_argument("--timeout", type=float, default=90.0, help="seconds per launch")
+    parser.add_argument("--results", default=str(RESULTS))
+    parser.add_argument("--workdir", default=None, help="kept when given (default: a temp dir)")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Runs the scenarios and appends one JSON line per campaign to ``args.results``."""
+    chosen = (
+        SCENARIOS
+        if args.scenarios == "all"
+        else [s for s in SCENARIOS if s.name in args.scenarios.split(",")]
+    )
+    if not chosen:
+        names = ", ".join(s.name for s in SCENARIOS)
+        raise SystemExit(f"chaos: --scenarios {args.scenarios!r}: choose from {names}")
+    rng = random.Random(args.seed)
+    work = args.workdir or tempfile.mkdtemp(prefix="chaos-")
+    os.makedirs(os.path.dirname(args.results), exist_ok=True)
+    try:
+        for scenario in chosen:
+            for record in run_scenario(
+                scenario, work, rng, args.timeout, 0.25 if args.smoke else 1.0
+            ):
+                record["smoke"] = args.smoke
+                with open(args.results, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=HELP)
+    add_arguments(parser)
+    run(parser.parse_args())
