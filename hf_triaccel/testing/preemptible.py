@@ -113,14 +113,14 @@ class Moments(TrainerCallback):
         return [what for began, what in self.timeline if began <= moment][-1]
 
 
-def _slow(cls: type, seconds: float) -> type:
-    """``cls`` whose checkpoints take ``seconds`` longer, the wait between the weights and
-    the optimizer's state (as a large model's save takes time)."""
+def _slow(cls: type, seconds: float, from_step: int) -> type:
+    """``cls`` whose checkpoints from step ``from_step`` on take ``seconds`` longer, the wait
+    between the weights and the optimizer's state (as a large model's save takes time)."""
 
     class SlowSaves(cls):
         def save_model(self, output_dir=None, _internal_call=False):
             super().save_model(output_dir, _internal_call)
-            if _internal_call:
+            if _internal_call and self.state.global_step >= from_step:
                 time.sleep(seconds)
 
     return SlowSaves
@@ -159,7 +159,7 @@ def build_trainer(options: argparse.Namespace) -> tuple[Trainer, Moments, Any]:
         args = TriAccelArguments(**common, preemption_signals=options.signals)
         cls = TriAccelTrainer
     if options.slow_save:
-        cls = _slow(cls, options.slow_save)
+        cls = _slow(cls, options.slow_save, options.slow_save_from)
     trainer = cls(
         model=model,
         args=args,
@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval_steps", type=int, default=15)
     parser.add_argument("--save_total_limit", type=int, default=None)
     parser.add_argument("--slow_save", type=float, default=0.0, help="seconds added per save")
+    parser.add_argument("--slow_save_from", type=int, default=0, help="from this step on")
     options = parser.parse_args(argv)
     os.makedirs(options.output_dir, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
