@@ -48,9 +48,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-__all__ = ["EXIT_PREEMPTED", "PreemptionHandler", "SignalWatch", "parse_signals"]
+from hf_triaccel.integrations.checkpoints import CrashConsistentCheckpoints
+
+__all__ = ["EXIT_PREEMPTED", "PreemptionHandler", "SignalWatch", "add_preemption", "parse_signals"]
 
 logger = logging.getLogger(__name__)
 
@@ -271,3 +273,20 @@ class PreemptionHandler(TrainerCallback):
         self.watch.stop()
         if self.stopped_at is not None and self.exit_code is not None:
             raise SystemExit(self.exit_code)
+
+
+def add_preemption(
+    trainer: Trainer, signals: str | Iterable[str | int]
+) -> PreemptionHandler | None:
+    """Adds to ``trainer`` a :class:`PreemptionHandler` for ``signals`` (none when empty)
+    and a :class:`~hf_triaccel.integrations.checkpoints.CrashConsistentCheckpoints`, in
+    that order (what ``TriAccelTrainer`` does with ``preemption_signals``).
+
+    Returns:
+        The handler, or ``None`` without signals.
+    """
+    handler = PreemptionHandler(signals) if signals else None
+    for callback in (handler, CrashConsistentCheckpoints()):
+        if callback is not None:
+            trainer.add_callback(callback)
+    return handler

@@ -37,7 +37,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 from hf_triaccel.curvature.signals import SignalTracker
 from hf_triaccel.integrations import trainer_compat
-from hf_triaccel.integrations.checkpoints import CrashConsistentCheckpoints, resume_path
+from hf_triaccel.integrations.checkpoints import resume_path
 from hf_triaccel.integrations.compiled import (
     CompileClock,
     check_cuda_graphs,
@@ -53,7 +53,7 @@ from hf_triaccel.integrations.layout import (
 from hf_triaccel.integrations.optimizers import FACTORIES
 from hf_triaccel.integrations.plugin import check_distributed_support
 from hf_triaccel.integrations.precision_report import PrecisionReport, write_precision_report
-from hf_triaccel.integrations.preemption import PreemptionHandler
+from hf_triaccel.integrations.preemption import add_preemption
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
 from hf_triaccel.integrations.trainer_args import (
     TriAccelArguments,
@@ -129,13 +129,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
                 min_micro_batch=setting(self.args, "elastic_min_micro_batch"),
                 target_fraction=setting(self.args, "elastic_target_fraction"),
             )
-        # -- preemption (.preemption) and crash-consistent checkpoints (.checkpoints) ----
-        signals = setting(self.args, "preemption_signals")
-        self.preemption = PreemptionHandler(signals) if signals else None
-        for callback in (self.preemption, CrashConsistentCheckpoints()):  # this order
-            if callback is not None:
-                self.add_callback(callback)
-        # ---------------------------------------------------------------------------------
+        self.preemption = add_preemption(self, setting(self.args, "preemption_signals"))
 
     def _var_keyword(self) -> bool:
         return forward_parameters(self.model)[1]
@@ -259,9 +253,6 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
     # -- training -------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """The Trainer's ``train``; ``resume_from_checkpoint`` also takes ``"auto"`` (the
-        newest complete checkpoint, else a fresh start), and ``True`` means the newest
-        complete one (:func:`~hf_triaccel.integrations.checkpoints.resume_path`)."""
         resume_from_checkpoint = resume_path(resume_from_checkpoint, self.args.output_dir)
         rebuild = self._built is not None and _inner(self.optimizer) is self._built
         if rebuild and not self._built.collector.attached and self.model_init is None:
