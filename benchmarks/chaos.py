@@ -46,6 +46,7 @@ from hf_triaccel.testing import preemptible as job
 NAME = "chaos"
 HELP = "Stop training jobs by SIGTERM / SIGKILL at random moments; check resumes end bitwise equal"
 RESULTS = Path(__file__).resolve().parent / "results" / "chaos.jsonl"
+TEAR_DOWN_SECONDS = 5.0  # a launcher's wait before it kills the ranks left after one failed
 
 
 @dataclass(frozen=True)
@@ -114,21 +115,42 @@ def run_launch(
             else:
                 job.send(processes[target], scenario.signum, group=group)
             signalled = {"rank": target, "group": group, "after_s": round(delay, 3)}
-    hung = False
-    for p in processes:
-        p.join(max(0.1, timeout - (time.monotonic() - began)))
-        if p.is_alive():
+    hung = torn_down = False
+    while any(p.is_alive() for p in processes):
+        ended = [p for p in processes if not p.is_alive()]
+        if any(p.exitcode != 0 for p in ended) and not torn_down:
+            # as torchrun does when a rank fails: the others are stopped after a grace period
+            failed_at, torn_down = time.monotonic(), True
+        if torn_down and time.monotonic() - failed_at > TEAR_DOWN_SECONDS:
+            break
+        if time.monotonic() - began > timeout:
             hung = True
-    if hung:
-        for p in processes:
+            break
+        time.sleep(0.02)
+    for p in processes:
+        if p.is_alive():
             job.send(p, signal.SIGKILL, group=True)
-            p.join()
+        p.join()
     return {
         "codes": [p.exitcode for p in processes],
         "signalled": signalled,
         "hung": hung,
+        "torn_down": torn_down and not hung,
         "seconds": round(time.monotonic() - began, 3),
     }
+
+
+def crashed(launch: dict[str, Any], world_size: int) -> bool:
+    """Whether a launch failed by itself: it hung, or a rank raised (status 1) where no
+    signal explains it (a rank killed before its handler was installed takes its peers
+    down with it, as a launcher would)."""
+    if launch["hung"]:
+        return True
+    codes = launch["codes"]
+    if launch["signalled"] is None:
+        return any(code not in (0, EXIT_PREEMPTED) for code in codes)
+    killed = any(code in (-signal.SIGTERM, -signal.SIGKILL) for code in codes)
+    return any(code == 1 for code in codes) and not (world_size > 1 and killed)
 
 
 def job_argv(scenario: Scenario, output_dir: str) -> list[str]:
@@ -171,14 +193,12 @@ def campaign(
                 "exact" if final is not None and job.same_state(reference, final) else "differed"
             )
             break
-        stopped = launch["signalled"] is not None and not launch["hung"]
-        expected = {EXIT_PREEMPTED, -signal.SIGKILL, -signal.SIGTERM, 0}
-        if stopped and set(codes) <= expected:
-            crashes_in_a_row = 0
-        else:
+        if crashed(launch, scenario.world_size):
             crashes_in_a_row += 1
             if crashes_in_a_row >= 2:
                 break
+        else:
+            crashes_in_a_row = 0
     return {"result": result, "stops": stops, "launches": launches}
 
 
@@ -229,7 +249,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="a quarter of the stops")
-    parser.add_argument("--timeout", type=float, default=90.0, help="seconds per launch")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per launch")
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--workdir", default=None, help="kept when given (default: a temp dir)")
 
