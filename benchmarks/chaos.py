@@ -61,6 +61,7 @@ class Scenario:
     world_size: int = 1
     slow_save: float = 0.0
     group_every: int = 0  # every n-th signal goes to the whole process group (0: never)
+    epochs: float = 3  # DDP's ranks start slowly: longer runs put more signals in training
 
 
 TERM, KILL = signal.SIGTERM, signal.SIGKILL
@@ -72,13 +73,13 @@ SCENARIOS = [
     Scenario("term-workers", "triaccel", "workers", TERM, 4, group_every=1),
     Scenario("kill-adafisherw", "triaccel", "adafisherw", KILL, 10, slow_save=0.4),
     Scenario("kill-adamw", "triaccel", "adamw", KILL, 10, slow_save=0.4),
-    Scenario("ddp-adamw", "triaccel", "adamw", TERM, 5, world_size=2),
-    Scenario("ddp-adafisherw", "triaccel", "adafisherw", TERM, 5, world_size=2),
+    Scenario("ddp-adamw", "triaccel", "adamw", TERM, 6, world_size=2, epochs=12),
+    Scenario("ddp-adafisherw", "triaccel", "adafisherw", TERM, 6, world_size=2, epochs=12),
     Scenario("stock-term-adamw", "stock", "adamw", TERM, 7, group_every=2),
     Scenario("stock-term-accumulation", "stock", "adamw_accumulation", TERM, 7, group_every=2),
     Scenario("stock-term-workers", "stock", "workers", TERM, 6, group_every=1),
     Scenario("stock-kill-adamw", "stock", "adamw", KILL, 20, slow_save=0.4),
-    Scenario("stock-ddp-adamw", "stock", "adamw", TERM, 10, world_size=2),
+    Scenario("stock-ddp-adamw", "stock", "adamw", TERM, 10, world_size=2, epochs=12),
 ]
 
 
@@ -118,7 +119,7 @@ def run_launch(
     hung = torn_down = False
     while any(p.is_alive() for p in processes):
         ended = [p for p in processes if not p.is_alive()]
-        if any(p.exitcode != 0 for p in ended) and not torn_down:
+        if any(p.exitcode not in (0, EXIT_PREEMPTED) for p in ended) and not torn_down:
             # as torchrun does when a rank fails: the others are stopped after a grace period
             failed_at, torn_down = time.monotonic(), True
         if torn_down and time.monotonic() - failed_at > TEAR_DOWN_SECONDS:
@@ -146,16 +147,15 @@ def crashed(launch: dict[str, Any], world_size: int) -> bool:
     down with it, as a launcher would)."""
     if launch["hung"]:
         return True
-    codes = launch["codes"]
     if launch["signalled"] is None:
-        return any(code not in (0, EXIT_PREEMPTED) for code in codes)
-    killed = any(code in (-signal.SIGTERM, -signal.SIGKILL) for code in codes)
-    return any(code == 1 for code in codes) and not (world_size > 1 and killed)
+        return any(code not in (0, EXIT_PREEMPTED) for code in launch["codes"])
+    return crashed_alone(launch, world_size)
 
 
 def job_argv(scenario: Scenario, output_dir: str) -> list[str]:
     """The job's command line (the same for every launch of a campaign)."""
     argv = ["--output_dir", output_dir, "--config", scenario.config, "--trainer", scenario.trainer]
+    argv += ["--epochs", str(scenario.epochs)]
     if scenario.slow_save:
         argv += ["--slow_save", str(scenario.slow_save)]
     return argv
@@ -242,6 +242,59 @@ def run_scenario(
     return records
 
 
+def table(records: list[dict[str, Any]]) -> str:
+    """The results as a Markdown table, one row per scenario (and epoch count): how each
+    signal ended its launch, how the campaigns ended, and whether DDP ranks agreed."""
+    rows: dict[tuple[str, float], dict[str, Any]] = {}
+    for record in records:
+        key = (record["scenario"], record.get("epochs", 3))
+        row = rows.setdefault(key, {"record": record, "campaigns": [], "launches": []})
+        row["campaigns"].append(record["result"])
+        row["launches"] += [x for x in record["launches"] if x["signalled"] is not None]
+    lines = [
+        "| scenario | trainer | signal | ranks | signals | stopped, exit 3 | died of it "
+        "(before train) | run ended first | killed | crashed or hung | campaigns: exact / "
+        "differed / failed | DDP: same step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, epochs), row in rows.items():
+        record, launches = row["record"], row["launches"]
+
+        def count(test, launches=launches) -> int:
+            return sum(1 for x in launches if test(x))
+
+        world = record["world_size"]
+        crashed = count(lambda x, w=world: x["hung"] or crashed_alone(x, w))
+        both = [x for x in launches if len(x.get("stops", [])) == record["world_size"] > 1]
+        same = sum(1 for x in both if len({s["stopped_at"] for s in x["stops"]}) == 1)
+        results = row["campaigns"]
+        lines.append(
+            f"| {name}{'' if epochs == 3 else f' ({epochs:g} epochs)'} | {record['trainer']} | "
+            f"{record['signal']} | {record['world_size']} | {len(launches)} | "
+            f"{count(lambda x: EXIT_PREEMPTED in x['codes'])} | "
+            f"{count(lambda x: -signal.SIGTERM in x['codes'])} | "
+            f"{count(lambda x: set(x['codes']) == {0})} | "
+            f"{count(lambda x: -signal.SIGKILL in x['codes'] and not x['hung'])} | {crashed} | "
+            f"{results.count('exact')} / {results.count('differed')} / "
+            f"{results.count('failed')} | "
+            f"{f'{same} of {len(both)}' if record['world_size'] > 1 else ''} |"
+        )
+    moments: dict[str, int] = {}
+    for row in rows.values():
+        for launch in row["launches"]:
+            for stop in launch.get("stops", [])[:1]:
+                moments[stop["moment"]] = moments.get(stop["moment"], 0) + 1
+    caught = ", ".join(f"{what} {n}" for what, n in sorted(moments.items(), key=lambda m: -m[1]))
+    lines.append(f"\nWhat the jobs were doing when a caught signal came: {caught}.")
+    return "\n".join(lines)
+
+
+def crashed_alone(launch: dict[str, Any], world_size: int) -> bool:
+    """A rank ended with status 1 where no signal explains it."""
+    killed = any(code in (-signal.SIGTERM, -signal.SIGKILL) for code in launch["codes"])
+    return 1 in launch["codes"] and not (world_size > 1 and killed)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The chaos run's flags."""
     parser.add_argument(
@@ -252,10 +305,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per launch")
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--workdir", default=None, help="kept when given (default: a temp dir)")
+    parser.add_argument(
+        "--table", action="store_true", help="print the results file as a table, run nothing"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
-    """Runs the scenarios and appends one JSON line per campaign to ``args.results``."""
+    """Runs the scenarios and appends one JSON line per campaign to ``args.results``
+    (with ``--table``, prints the results file's table instead)."""
+    if args.table:
+        with open(args.results) as f:
+            print(table([json.loads(line) for line in f if line.strip()]))
+        return
     chosen = (
         SCENARIOS
         if args.scenarios == "all"
