@@ -282,8 +282,9 @@ def table(records: list[dict[str, Any]]) -> str:
     moments: dict[str, int] = {}
     for row in rows.values():
         for launch in row["launches"]:
-            for stop in launch.get("stops", [])[:1]:
-                moments[stop["moment"]] = moments.get(stop["moment"], 0) + 1
+            caught = [stop["moment"] for stop in launch.get("stops", []) if stop["moment"]]
+            for what in caught[:1]:  # the rank the signal reached
+                moments[what] = moments.get(what, 0) + 1
     caught = ", ".join(f"{what} {n}" for what, n in sorted(moments.items(), key=lambda m: -m[1]))
     lines.append(f"\nWhat the jobs were doing when a caught signal came: {caught}.")
     return "\n".join(lines)
