@@ -79,7 +79,7 @@ SCENARIOS = [
     Scenario("stock-term-accumulation", "stock", "adamw_accumulation", TERM, 7, group_every=2),
     Scenario("stock-term-workers", "stock", "workers", TERM, 6, group_every=1),
     Scenario("stock-kill-adamw", "stock", "adamw", KILL, 20, slow_save=0.4),
-    Scenario("stock-ddp-adamw", "stock", "adamw", TERM, 10, world_size=2, epochs=12),
+    Scenario("stock-ddp-adamw", "stock", "adamw", TERM, 10, world_size=2, epochs=40),
 ]
 
 
