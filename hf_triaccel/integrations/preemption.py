@@ -9,9 +9,10 @@ a clean stop:
 * the signal only raises a flag; the flag is read at the end of an optimizer step
   (``on_step_end``), so a stop never falls between the gradients and the update, and a
   gradient accumulation in progress is finished first;
-* under several processes the flag is combined across them (a maximum over a CPU gloo
-  group, every ``agree_every`` steps), so a signal that reached one rank only stops every
-  rank at the same step;
+* under several processes the flag is combined across them (a maximum over a gloo group
+  of its own, every ``agree_every`` steps, without waiting: :class:`FlagAgreement`), so a
+  signal that reached one rank only stops every rank at the same step, one exchange after
+  the signal;
 * the Trainer then saves its checkpoint (model, optimizer with AdaFisher's Fisher factors
   and its controllers, scheduler, grad scaler, every rank's RNG, the data position, the
   elastic batch's state), which
@@ -52,7 +53,14 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from hf_triaccel.integrations.checkpoints import CrashConsistentCheckpoints
 
-__all__ = ["EXIT_PREEMPTED", "PreemptionHandler", "SignalWatch", "add_preemption", "parse_signals"]
+__all__ = [
+    "EXIT_PREEMPTED",
+    "FlagAgreement",
+    "PreemptionHandler",
+    "SignalWatch",
+    "add_preemption",
+    "parse_signals",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -169,13 +177,61 @@ class SignalWatch:
         self._previous = {}
 
 
-def _gloo_group(cache: dict[str, Any]) -> Any:
-    """A CPU group for the flag: the default group when it is gloo, else a gloo group
-    made once (an NCCL all-reduce would wait for the GPU's queue at every step)."""
+def _distributed() -> bool:
     dist = torch.distributed
-    if "group" not in cache:
-        cache["group"] = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    return cache["group"]
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class FlagAgreement:
+    """The stop flag combined across processes without waiting for it.
+
+    Each :meth:`exchange` starts an all-reduce (maximum) of this process's flag on a gloo
+    group of its own, asynchronously, and returns the result of the one started at the
+    previous call, which has had a whole step to finish: every rank gets the same answer
+    at the same call, a step after the flag was raised, and no step waits for the
+    exchange (a blocking all-reduce at each step's end measured about a third of a tiny
+    DDP step on a loaded 2-core CPU, BENCHMARKS.md). The own group keeps the exchange
+    apart from DDP's gradient all-reduces, and off NCCL (whose all-reduce would wait on
+    the GPU's queue).
+
+    Attributes:
+        seconds: time spent in the exchanges, in total.
+        count: how many exchanges were made.
+    """
+
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self.seconds = 0.0
+        self.count = 0
+
+    def open(self) -> None:
+        """Makes the group (a collective: every process calls it, at the same point)."""
+        if self._group is None:
+            self._group = torch.distributed.new_group(backend="gloo")
+
+    def exchange(self, local: bool) -> bool:
+        """Starts combining ``local``; returns the combined flag of the previous call
+        (``False`` at the first)."""
+        began = time.perf_counter()
+        agreed = self.finish()
+        flag = torch.tensor([int(local)], dtype=torch.int32)
+        work = torch.distributed.all_reduce(
+            flag, op=torch.distributed.ReduceOp.MAX, group=self._group, async_op=True
+        )
+        self._pending = (work, flag)
+        self.seconds += time.perf_counter() - began
+        self.count += 1
+        return agreed
+
+    def finish(self) -> bool:
+        """Waits for the exchange in flight, if any, and returns its combined flag."""
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        return bool(flag.item())
 
 
 class PreemptionHandler(TrainerCallback):
@@ -194,15 +250,14 @@ class PreemptionHandler(TrainerCallback):
         exit_code: the exit status after the checkpoint; ``None`` returns from ``train()``
             instead (:attr:`stopped_at` then says the run was stopped).
         agree_every: under several processes, combine the flag every this many optimizer
-            steps (one all-reduce of one integer over gloo each time). A stop then comes up
-            to ``agree_every - 1`` steps later: keep ``agree_every`` times a step's duration
-            well inside the grace period.
+            steps (one asynchronous all-reduce of one integer over gloo each time). A stop
+            then comes up to ``2 * agree_every`` steps after the signal: keep that many
+            steps' duration, plus a checkpoint's, well inside the grace period.
 
     Attributes:
         watch: the :class:`SignalWatch` (which signal came, and when).
         stopped_at: the global step training stopped at on a signal, else ``None``.
-        agreement_seconds: time spent combining the flag across processes, in total.
-        agreements: how many times it was combined.
+        agreement: the :class:`FlagAgreement` (its time and count).
     """
 
     def __init__(
@@ -220,26 +275,30 @@ class PreemptionHandler(TrainerCallback):
         self.agree_every = agree_every
         self.watch = SignalWatch(self.signals)
         self.stopped_at: int | None = None
-        self.agreement_seconds = 0.0
-        self.agreements = 0
-        self._groups: dict[str, Any] = {}
+        self.agreement = FlagAgreement()
+
+    @property
+    def agreement_seconds(self) -> float:
+        """Time spent combining the flag across processes, in total."""
+        return self.agreement.seconds
+
+    @property
+    def agreements(self) -> int:
+        """How many times the flag was combined across processes."""
+        return self.agreement.count
 
     def _agreed(self, step: int) -> bool:
-        dist = torch.distributed
         local = self.watch.received is not None
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not _distributed():
             return local
         if step % self.agree_every:
             return False
-        began = time.perf_counter()
-        flag = torch.tensor([int(local)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_gloo_group(self._groups))
-        self.agreement_seconds += time.perf_counter() - began
-        self.agreements += 1
-        return bool(flag.item())
+        return self.agreement.exchange(local)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control, **kwargs):
         self.stopped_at = None
+        if _distributed():
+            self.agreement.open()
         self.watch.start()
 
     def on_step_end(
@@ -270,6 +329,8 @@ class PreemptionHandler(TrainerCallback):
             control.should_evaluate = False
 
     def on_train_end(self, args, state, control, **kwargs):
+        if _distributed():
+            self.agreement.finish()  # every rank started the same exchanges: none left over
         self.watch.stop()
         if self.stopped_at is not None and self.exit_code is not None:
             raise SystemExit(self.exit_code)
