@@ -62,6 +62,7 @@ class Scenario:
     slow_save: float = 0.0
     group_every: int = 0  # every n-th signal goes to the whole process group (0: never)
     epochs: float = 3  # DDP's ranks start slowly: longer runs put more signals in training
+    earliest: float = 0.05  # the shortest delay, as a share of the uninterrupted run's time
 
 
 TERM, KILL = signal.SIGTERM, signal.SIGKILL
@@ -75,6 +76,20 @@ SCENARIOS = [
     Scenario("kill-adamw", "triaccel", "adamw", KILL, 10, slow_save=0.4),
     Scenario("ddp-adamw", "triaccel", "adamw", TERM, 6, world_size=2, epochs=12),
     Scenario("ddp-adafisherw", "triaccel", "adafisherw", TERM, 6, world_size=2, epochs=12),
+    # the same, signals after the ranks' start (whose signals above mostly precede training)
+    Scenario(
+        "ddp-late-adamw", "triaccel", "adamw", TERM, 6, world_size=2, epochs=12, earliest=0.35
+    ),
+    Scenario(
+        "ddp-late-adafisherw",
+        "triaccel",
+        "adafisherw",
+        TERM,
+        6,
+        world_size=2,
+        epochs=12,
+        earliest=0.35,
+    ),
     Scenario("stock-term-adamw", "stock", "adamw", TERM, 7, group_every=2),
     Scenario("stock-term-accumulation", "stock", "adamw_accumulation", TERM, 7, group_every=2),
     Scenario("stock-term-workers", "stock", "workers", TERM, 6, group_every=1),
@@ -179,7 +194,8 @@ def campaign(
         job.clear_stops(output_dir)
         left = 1 - last_step(output_dir) / max(total_steps, 1)
         window = 0.9 * ref_seconds * (0.3 + 0.7 * left)  # the time this launch likely has
-        delay = rng.uniform(0.05, window) if stops < wanted else None
+        earliest = min(scenario.earliest * ref_seconds, window / 2)
+        delay = rng.uniform(earliest, window) if stops < wanted else None
         launch = run_launch(argv, scenario, delay, rng, timeout)
         if os.path.isdir(output_dir):
             launch["stops"] = job.stops(output_dir)
