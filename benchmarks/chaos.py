@@ -26,9 +26,11 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -312,6 +314,25 @@ def crashed_alone(launch: dict[str, Any], world_size: int) -> bool:
     return 1 in launch["codes"] and not (world_size > 1 and killed)
 
 
+def agreement_cost(rounds: int, work: str) -> dict[str, list[float]]:
+    """``train_runtime`` of the 2-rank DDP job (AdamW, 12 epochs, no saves or evaluation)
+    with the preemption handler on and off, alternated ``rounds`` times: what combining
+    the ranks' flag at each step costs."""
+    runtimes: dict[str, list[float]] = {"on": [], "off": []}
+    for index in range(rounds):
+        for mode in runtimes:
+            out = os.path.join(work, f"cost-{mode}-{index}")
+            argv = ["--output_dir", out, "--config", "adamw", "--epochs", "12"]
+            argv += ["--save_steps", "100000", "--eval_steps", "100000"]
+            argv += ["--signals", "SIGTERM" if mode == "on" else ""]
+            for process in job.run_ranks(argv, 2, free_port()):
+                process.join()
+            with open(os.path.join(out, "job-0.log")) as f:
+                found = re.search(r"'train_runtime': '([0-9.]+)'", f.read())
+            runtimes[mode].append(float(found.group(1)))
+    return runtimes
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The chaos run's flags."""
     parser.add_argument(
@@ -324,6 +345,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=None, help="kept when given (default: a temp dir)")
     parser.add_argument(
         "--table", action="store_true", help="print the results file as a table, run nothing"
+    )
+    parser.add_argument(
+        "--agreement_cost",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="only time the 2-rank DDP job with the handler on and off, ROUNDS times each",
     )
 
 
@@ -344,6 +372,11 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"chaos: --scenarios {args.scenarios!r}: choose from {names}")
     rng = random.Random(args.seed)
     work = args.workdir or tempfile.mkdtemp(prefix="chaos-")
+    if args.agreement_cost:
+        runtimes = agreement_cost(args.agreement_cost, work)
+        for mode, values in runtimes.items():
+            print(f"handler {mode}: median {statistics.median(values):.3f} s of {values}")
+        return
     os.makedirs(os.path.dirname(args.results), exist_ok=True)
     try:
         for scenario in chosen:
