@@ -55,15 +55,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_references: dict[tuple[str, int], dict] = {}
+_references: dict[tuple[str, int, str], dict] = {}
 
 
-def reference(tmp_path_factory, config: str, world_size: int = 1) -> dict:
+def reference(tmp_path_factory, config: str, epochs: str, world_size: int = 1) -> dict:
     """The uninterrupted run's final state (computed once per configuration)."""
-    key = (config, world_size)
+    key = (config, world_size, epochs)
     if key not in _references:
         out = str(tmp_path_factory.mktemp(f"reference-{config}-{world_size}"))
-        finish(["--output_dir", out, "--config", config], world_size, free_port())
+        argv = ["--output_dir", out, "--config", config, "--epochs", epochs]
+        finish(argv, world_size, free_port())
         _references[key] = job.load_final(out)
     return _references[key]
 
@@ -83,9 +84,9 @@ def test_sigterm_at_several_moments_resumes_bitwise(tmp_path_factory, tmp_path):
     after a checkpoint (mid-step), one to the whole process group; each launch exits with
     EXIT_PREEMPTED (or, before the handler is installed, dies of the signal), and the
     restarted run ends bitwise equal to the uninterrupted one."""
-    expected = reference(tmp_path_factory, "accumulation")
+    expected = reference(tmp_path_factory, "accumulation", "2")  # 16 steps
     out = str(tmp_path / "run")
-    argv = ["--output_dir", out, "--config", "accumulation"]
+    argv = ["--output_dir", out, "--config", "accumulation", "--epochs", "2"]
 
     early = job.launch(argv)
     wait_for(lambda: os.path.exists(os.path.join(out, "pid-0")))
@@ -112,9 +113,9 @@ def test_sigterm_at_several_moments_resumes_bitwise(tmp_path_factory, tmp_path):
 def test_group_signal_with_dataloader_workers(tmp_path_factory, tmp_path):
     """SIGTERM to the whole process group with two DataLoader workers: the workers do not
     die first, the job stops with a checkpoint and resumes exactly."""
-    expected = reference(tmp_path_factory, "workers")
+    expected = reference(tmp_path_factory, "workers", "1")  # 24 steps
     out = str(tmp_path / "run")
-    argv = ["--output_dir", out, "--config", "workers"]
+    argv = ["--output_dir", out, "--config", "workers", "--epochs", "1"]
     process = job.launch(argv)
     wait_for(completed(out))
     job.send(process, signal.SIGTERM, group=True)
@@ -127,9 +128,10 @@ def test_group_signal_with_dataloader_workers(tmp_path_factory, tmp_path):
 def test_kill_during_slow_save_resumes_from_newest_complete(tmp_path_factory, tmp_path, caplog):
     """SIGKILL while checkpoint-20 is written: it stays, incomplete, and is skipped with a
     warning; the restart resumes from checkpoint-10 and ends bitwise equal."""
-    expected = reference(tmp_path_factory, "adamw")
+    expected = reference(tmp_path_factory, "adamw", "1")  # 24 steps
     out = str(tmp_path / "run")
-    argv = ["--output_dir", out, "--config", "adamw", "--slow_save", "30", "--slow_save_from", "20"]
+    argv = ["--output_dir", out, "--config", "adamw", "--epochs", "1"]
+    argv += ["--slow_save", "30", "--slow_save_from", "20"]
     process = job.launch(argv)
     weights = os.path.join(out, "checkpoint-20", "model.safetensors")
     wait_for(lambda: os.path.exists(weights))
@@ -141,16 +143,16 @@ def test_kill_during_slow_save_resumes_from_newest_complete(tmp_path_factory, tm
     assert found == os.path.join(out, "checkpoint-10")
     assert "checkpoint-20 is incomplete" in caplog.text
     assert os.path.isdir(os.path.join(out, "checkpoint-20"))
-    finish(["--output_dir", out, "--config", "adamw"])
+    finish(["--output_dir", out, "--config", "adamw", "--epochs", "1"])
     assert job.same_state(job.load_final(out), expected)
 
 
 def test_ddp_signal_to_one_rank_stops_both_at_one_step(tmp_path_factory, tmp_path):
     """2 gloo ranks, SIGTERM to rank 1 only: both stop at the same step with
     EXIT_PREEMPTED, and the resumed run ends bitwise equal to the uninterrupted one."""
-    expected = reference(tmp_path_factory, "adamw", world_size=2)
+    expected = reference(tmp_path_factory, "adamw", "2", world_size=2)  # 24 steps
     out = str(tmp_path / "run")
-    argv = ["--output_dir", out, "--config", "adamw"]
+    argv = ["--output_dir", out, "--config", "adamw", "--epochs", "2"]
     ranks = job.run_ranks(argv, 2, free_port())
     wait_for(completed(out))
     job.send(ranks[1], signal.SIGTERM)
