@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from benchmarks import (
     accuracy,
+    chaos,
     cifar,
     commits,
     elastic,
@@ -39,6 +40,7 @@ SUBCOMMANDS = (
     time_to_accuracy,
     language_model,
     elastic,
+    chaos,
     low_memory_ledger,
     low_memory_accuracy,
     commits,

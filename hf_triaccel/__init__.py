@@ -34,6 +34,9 @@ __version__ = "0.2.0"
 _LAZY = {
     "AdaFisherFactory": "hf_triaccel.integrations.optimizers",
     "AdaFisherWFactory": "hf_triaccel.integrations.optimizers",
+    "CrashConsistentCheckpoints": "hf_triaccel.integrations.checkpoints",
+    "EXIT_PREEMPTED": "hf_triaccel.integrations.preemption",
+    "PreemptionHandler": "hf_triaccel.integrations.preemption",
     "TriAccelArgumentParser": "hf_triaccel.integrations.trainer_args",
     "TriAccelArguments": "hf_triaccel.integrations.trainer_args",
     "TriAccelCallback": "hf_triaccel.integrations.callback",
@@ -42,6 +45,7 @@ _LAZY = {
     "TriAccelTrainer": "hf_triaccel.integrations.trainer",
     "prepare_triaccel": "hf_triaccel.integrations.plugin",
     "register_timm_optimizers": "hf_triaccel.integrations.timm_optim",
+    "last_complete_checkpoint": "hf_triaccel.integrations.checkpoints",
     "trainer_optimizer": "hf_triaccel.integrations.optimizers",
 }
 
@@ -53,16 +57,19 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "EXIT_PREEMPTED",
     "AdaFisher",
     "AdaFisherConfig",
     "AdaFisherFactory",
     "AdaFisherW",
     "AdaFisherWFactory",
+    "CrashConsistentCheckpoints",
     "ElasticBatchController",
     "FactorLayout",
     "FisherCollector",
     "FisherRule",
     "MemoryLedger",
+    "PreemptionHandler",
     "PrecisionController",
     "PrecisionPolicy",
     "PrecisionRule",
@@ -78,6 +85,7 @@ __all__ = [
     "build_adafisher",
     "checkpoint_largest_blocks",
     "measure_step",
+    "last_complete_checkpoint",
     "prepare_triaccel",
     "register_fisher_rule",
     "register_timm_optimizers",

@@ -34,6 +34,7 @@ from transformers.hf_argparser import string_to_bool
 from hf_triaccel import TriAccelArguments
 from hf_triaccel.data import is_hub_dataset_id
 from hf_triaccel.data.loading import path_in_message
+from hf_triaccel.integrations.checkpoints import RESUME_OR_START
 from hf_triaccel.integrations.trainer_args import TriAccelArgumentParser
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -435,6 +436,8 @@ def parse_args(
             f"learning rate {defaults['learning_rate']:g}, weight decay "
             f"{defaults['weight_decay']:g}."
         )
+    # preemptible by default: a signal stops with a checkpoint, the same command resumes
+    parser.set_defaults(preemption_signals="SIGTERM", resume_from_checkpoint=RESUME_OR_START)
     recipe_args, args = parser.parse_args_into_dataclasses(args=argv)
     if config is None:
         parser.error(f"--recipe: give one of {available()}, or the path of a YAML config")

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LabelSmoother
-from transformers.trainer_utils import get_last_checkpoint
 
 from hf_triaccel.integrations import trainer_compat
 from hf_triaccel.integrations.callback import TriAccelCallback, inner_optimizer
+from hf_triaccel.integrations.checkpoints import resume_path
 from hf_triaccel.integrations.compiled import (
     CompileClock,
     check_cuda_graphs,
@@ -54,6 +54,7 @@ from hf_triaccel.integrations.layout import (
 )
 from hf_triaccel.integrations.plugin import check_distributed_support
 from hf_triaccel.integrations.precision_report import write_precision_report
+from hf_triaccel.integrations.preemption import add_preemption
 from hf_triaccel.integrations.telemetry import EfficiencyTelemetry
 from hf_triaccel.integrations.trainer_args import (
     TriAccelArguments,
@@ -117,6 +118,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
                 min_micro_batch=setting(self.args, "elastic_min_micro_batch"),
                 target_fraction=setting(self.args, "elastic_target_fraction"),
             )
+        self.preemption = add_preemption(self, setting(self.args, "preemption_signals"))
 
     def _hand_over_optimizer(self) -> None:
         """Gives the Trainer the :class:`TriAccelCallback` of the arguments and its
@@ -217,6 +219,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
     # -- training -------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        resume_from_checkpoint = resume_path(resume_from_checkpoint, self.args.output_dir)
         built = None if self.triaccel is None else self.triaccel.optimizer
         rebuild = built is not None and inner_optimizer(self.optimizer) is built
         if rebuild and not built.collector.attached and self.model_init is None:
@@ -225,10 +228,7 @@ class TriAccelMixin(trainer_compat.ColumnsForPositionalModels, LeanStepMixin, De
             self.triaccel.carry_state(built.state_dict())
             self.optimizer = None
         if self.elastic is not None:
-            path = resume_from_checkpoint
-            if path is True:
-                path = get_last_checkpoint(self.args.output_dir)
-            self.elastic.resume(path or None)
+            self.elastic.resume(resume_from_checkpoint)
         self._log_settings()
         self.resolve_lean_step()
         try:

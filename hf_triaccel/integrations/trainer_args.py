@@ -219,6 +219,17 @@ you mean 'adamw_torch_fused'? ...
         default=0.9,
         metadata={"help": "Elastic batch: peak memory target, as a share of what the GPU gives."},
     )
+    # -- preemption (hf_triaccel.integrations.preemption) --------------------------------
+    preemption_signals: str = field(
+        default="",
+        metadata={
+            "help": "Signals that stop training at the next optimizer step's end with a "
+            "complete checkpoint, then exit with status 3 (e.g. 'SIGTERM' or "
+            "'SIGTERM,SIGUSR1'); empty: off. Pair with --resume_from_checkpoint auto, which "
+            "resumes from the newest complete checkpoint and starts when there is none."
+        },
+    )
+    # -------------------------------------------------------------------------------------
     device_data_augment: bool = field(
         default=True,
         metadata={
