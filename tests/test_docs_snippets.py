@@ -1,10 +1,11 @@
 """Every Python block of the documentation runs as written, on the CPU.
 
-The blocks are the ```python fences of README.md and recipes/README.md, and the one of the
-model-card template as a recipe run renders it. Each runs on its own, in a fresh namespace
+The blocks are the ```python fences of README.md, of the docs pages that took its long
+explanations (:data:`DOCS`) and of recipes/README.md, and the one of the model-card
+template as a recipe run renders it. Each runs on its own, in a fresh namespace
 in an empty working folder: a block must hold its imports and its small model and data.
 A block whose first line is :data:`GPU_MARK` needs CUDA and is skipped without it. Shell
-blocks (indented, or fenced as anything but python) are not run. The READMEs' blocks run
+blocks (indented, or fenced as anything but python) are not run. These pages' blocks run
 with warnings turned into errors and fail on a warning logged by transformers or
 hf_triaccel: a reader could not act on one.
 
@@ -29,7 +30,13 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "recipes/README.md")
+DOCS = (
+    "README.md",
+    "docs/usage.md",
+    "docs/scaling.md",
+    "docs/preemption.md",
+    "recipes/README.md",
+)
 GPU_MARK = "# Needs a CUDA GPU"
 _FENCE = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
@@ -87,8 +94,16 @@ def test_the_harness_finds_the_blocks():
     assert python_blocks(
         "text\n```python\nx = 1\n```\n    python -m shell\n```bash\nls\n```\n"
     ) == [(2, "x = 1\n")]
-    assert len(python_blocks((ROOT / "README.md").read_text())) >= 4
-    assert len(python_blocks((ROOT / "recipes/README.md").read_text())) >= 1
+    # the README's quickstarts (TriAccelTrainer, the stock Trainer's callback); the pages
+    # hold plain PyTorch, the image data, Accelerate, TRL, timm; FSDP2; the two preemptible
+    for doc, least in (
+        ("README.md", 2),
+        ("docs/usage.md", 5),
+        ("docs/scaling.md", 1),
+        ("docs/preemption.md", 2),
+        ("recipes/README.md", 1),
+    ):
+        assert len(python_blocks((ROOT / doc).read_text())) >= least, doc
 
 
 @pytest.mark.parametrize("code", doc_blocks())
@@ -140,7 +155,8 @@ def test_model_card_block_loads_the_run_and_the_published_model(tmp_path, monkey
 
 def test_readme_says_what_the_main_job_does_and_costs():
     readme = (ROOT / "README.md").read_text()
-    setup = readme[readme.index("## Set-up") : readme.index("## Quickstart: plain PyTorch")]
+    start = readme.index("## Set-up")
+    setup = readme[start : readme.index("\n## ", start)]
     assert "python3 -m hf_triaccel.quickstart" in setup
     cpu = "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu"
     assert cpu in setup

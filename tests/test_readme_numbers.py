@@ -1,10 +1,12 @@
-"""Every figure README.md states is a measurement of BENCHMARKS.md.
+"""Every figure README.md and the docs pages it links to state is a measurement of
+BENCHMARKS.md.
 
-A figure is a number in the README's prose or tables (code, shell lines and inline code
+A figure is a number in a page's prose or tables (code, shell lines and inline code
 left out) with a decimal point, a thousands separator, four digits or more, or a unit
 (``%``, ``x``, ``ms``, ``s``, ``GiB``, ``bytes``, ``samples/s``, ``points``...). Each
 must appear as a number in BENCHMARKS.md (the current tables) or in its dated history,
-docs/benchmarks_history.md, and the README section it stands in must name BENCHMARKS.md.
+docs/benchmarks_history.md, and the section of the page it stands in must name
+BENCHMARKS.md. The pages are :data:`PAGES`.
 :data:`NOT_MEASURED` names the numbers that are no measurement, with what they are.
 """
 
@@ -97,26 +99,45 @@ def in_benchmarks(number: str, benchmarks: str) -> bool:
     return re.search(rf"(?<![\d.,]){re.escape(number)}(?![\d]|[.,]\d)", benchmarks) is not None
 
 
-README = (ROOT / "README.md").read_text()
+# the README and the pages that took its long explanations
+PAGES = (
+    "README.md",
+    "docs/install.md",
+    "docs/usage.md",
+    "docs/scaling.md",
+    "docs/precision_and_elastic.md",
+    "docs/preemption.md",
+    "docs/results.md",
+)
+TEXTS = {page: (ROOT / page).read_text() for page in PAGES}
+README = TEXTS["README.md"]
 # the current tables, then every measurement in the order it was made
 BENCHMARKS = "\n".join(
     (ROOT / name).read_text() for name in ("BENCHMARKS.md", "docs/benchmarks_history.md")
 )
-FIGURES = [f for f in figures(README) if f[0] not in NOT_MEASURED]
+FIGURES = [
+    (page, *figure)
+    for page, text in TEXTS.items()
+    for figure in figures(text)
+    if figure[0] not in NOT_MEASURED
+]
 
 
 def test_the_readme_has_figures_to_check():
-    numbers = {number for number, _, _ in FIGURES}
-    assert {"0.451", "0.077", "17781"} <= numbers and "2026" not in numbers
+    numbers = {number for page, number, _, _ in FIGURES if page == "README.md"}
+    assert {"0.451", "0.077", "17781", "8.007"} <= numbers and "2026" not in numbers
 
 
 @pytest.mark.parametrize(
-    ("number", "line", "section"), FIGURES, ids=[f"{n}@{line}" for n, line, _ in FIGURES]
+    ("page", "number", "line", "section"),
+    FIGURES,
+    ids=[f"{page}:{n}@{line}" for page, n, line, _ in FIGURES],
 )
-def test_each_readme_figure_is_a_benchmarks_measurement(number, line, section):
-    where = f"README.md:{line}: {number} not in BENCHMARKS.md or its history"
+def test_each_figure_is_a_benchmarks_measurement(page, number, line, section):
+    where = f"{page}:{line}: {number} not in BENCHMARKS.md or its history"
     assert in_benchmarks(number, BENCHMARKS), where
-    assert "BENCHMARKS.md" in sections(README)[section], f"{section!r} does not cite BENCHMARKS.md"
+    cited = "BENCHMARKS.md" in sections(TEXTS[page])[section]
+    assert cited, f"{page}: {section!r} does not cite BENCHMARKS.md"
 
 
 def test_what_is_not_measured_is_still_in_the_readme():
