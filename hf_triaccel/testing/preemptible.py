@@ -228,6 +228,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _child(argv: list[str], env: dict[str, str], log: str) -> None:
     os.setsid()  # a process group of its own, as a scheduler's job step has
+    # A fork copies the parent's intra-op thread pool without its threads: once the parent
+    # has run a parallel torch operation, the child's first one waits on them forever.
+    # One thread runs every operation inline (the reference run is launched alike).
+    torch.set_num_threads(1)
     os.environ.update(env)
     with open(log, "ab") as f:
         os.dup2(f.fileno(), 1)
