@@ -71,31 +71,30 @@ def tensors(dtype, state_dtype, n=2500, seed=0):
     return p, grad, m, comp
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rounding", ["nearest", "kahan"])
-@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
-def test_one_step_matches_the_float64_oracle(impl, dtype, rounding, state_dtype):
-    p, grad, m, comp = tensors(dtype, state_dtype)
+def check_one_step(impl, dtype, rounding, state_dtype, device, n=2500):
+    """One step of ``impl`` on ``device`` against the float64 oracle (computed on the CPU)."""
+    p, grad, m, comp = tensors(dtype, state_dtype, n=n)
     step, lr, wd = 3.0, 1e-2, 0.05
     want_p, want_m, want_c, delta, theta, mom_err, delta_err = oracle(
         p, grad, m, comp, step, lr=lr, wd=wd, rounding=rounding
     )
+    moved = [t.to(device) for t in (p, grad, m, comp)]
     adafisher(
-        [p],
-        [grad],
-        [m],
+        [moved[0]],
+        [moved[1]],
+        [moved[2]],
         [None],
-        [torch.tensor(step)],
+        [torch.tensor(step, device=device)],
         lr=lr,
         beta=BETA,
         weight_decay=wd,
         damping=1e-3,
         decoupled=True,
         impl=impl,
-        comps=[comp],
+        comps=[moved[3]],
         rounding=rounding,
     )
+    p, grad, m, comp = (t.cpu() for t in moved)
     # the stored momentum: its float32 error plus one ulp of its dtype
     span_m = torch.maximum(want_m.double().abs(), m.double().abs())
     assert ((m.double() - want_m.double()).abs() <= mom_err + ulp(span_m, state_dtype)).all()
@@ -106,6 +105,24 @@ def test_one_step_matches_the_float64_oracle(impl, dtype, rounding, state_dtype)
     assert ((p.double() - want_p.double()).abs() <= sum_err + ulp(span, dtype)).all()
     differ = (p != want_p).double().mean().item()
     assert differ < 0.05, f"{differ:.1%} of the weights one ulp off: not rounding noise"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rounding", ["nearest", "kahan"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_one_step_matches_the_float64_oracle(impl, dtype, rounding, state_dtype):
+    check_one_step(impl, dtype, rounding, state_dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rounding", ["nearest", "kahan"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_triton_step_on_the_gpu_matches_the_float64_oracle(dtype, rounding, state_dtype):
+    """The compiled kernel at a size of many programs, on the device."""
+    check_one_step("triton", dtype, rounding, state_dtype, "cuda", n=1 << 20)
     if rounding == "kahan":
         # the value carried, weight + compensation, is theta + y up to y's float32 error
         # and each compensation's own rounding (half an ulp of it)
