@@ -330,8 +330,9 @@ _a_of = operator.attrgetter("a")
 
 def _plan_key(params, moms, factors, steps, comps) -> tuple:
     """What the tensor and chunk tables encode, from C-level calls only: this runs every
-    step. A tensor is taken to keep its dtype and strides while
-    its address and size are unchanged (reallocating a tensor changes its address).
+    step. A tensor is taken to keep its strides while its address and size are unchanged;
+    the dtypes are part of the key, since memory freed by one tensor can come back at the
+    same address as another of a different dtype (a momentum reloaded in another dtype).
 
     A ParamFactors' id() stands for its frozen layout (the plan keeps it alive, so the
     id cannot be reused); its vectors' pointers change when they are moved.
@@ -341,9 +342,12 @@ def _plan_key(params, moms, factors, steps, comps) -> tuple:
         params[0].device,
         tuple(map(_data_ptr, params)),
         tuple(map(_numel, params)),
+        tuple(map(_dtype, params)),
         tuple(map(_data_ptr, moms)),
+        tuple(map(_dtype, moms)),
         tuple(map(_data_ptr, steps)),
         tuple(0 if c is None else c.data_ptr() for c in comps),
+        tuple(None if c is None else c.dtype for c in comps),
         tuple(map(id, factors)),
         tuple(map(_data_ptr, map(_g_of, present))),
         tuple(map(_data_ptr, map(_a_of, present))),

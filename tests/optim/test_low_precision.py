@@ -272,3 +272,31 @@ def test_resume_is_exact_with_compensation_and_bf16_state(impl):
         assert torch.equal(a, b)
         for key in ("momentum", "compensation", "step"):
             assert torch.equal(opt.state[a][key], opt2.state[b][key])
+
+
+def test_a_momentum_of_another_dtype_at_the_same_address_gets_its_own_tables():
+    """The Triton path caches its tables by the tensors' addresses: a float32 momentum
+    where a bfloat16 one was (freed memory reused, or a state reloaded in another dtype)
+    must not be read with the bfloat16 one's tables."""
+    pytest.importorskip("triton")
+    results = {}
+    for impl in ("reference", "triton"):
+        p, grad, _, comp = tensors(torch.bfloat16, torch.float32)
+        memory = torch.zeros(2500)  # one buffer, seen first as bfloat16, then as float32
+        step = torch.tensor(3.0)  # every tensor at the same address both times
+        for m in (memory.view(torch.bfloat16)[:2500], memory):
+            m.copy_(0.1 * torch.ones(2500))
+            adafisher(
+                [p], [grad], [m], [None], [step], lr=1e-2, beta=BETA,
+                weight_decay=0.05, damping=1e-3, decoupled=True, impl=impl, comps=[comp],
+                rounding="kahan",
+            )  # fmt: skip
+        results[impl] = (p.clone(), memory.clone())
+    (p_ref, m_ref), (p_fast, m_fast) = results["reference"], results["triton"]
+    # the same arithmetic: each momentum within the rounding of its three float32
+    # operations of the terms' magnitudes (the oracle's bound), twice for two computations
+    grad = tensors(torch.bfloat16, torch.float32)[1].double()
+    bound = 2 * 3 * U32 * (BETA * 0.1 + (1 - BETA) * grad.abs())
+    assert ((m_fast.double() - m_ref.double()).abs() <= bound).all()
+    span = torch.maximum(p_ref.double().abs(), p_fast.double().abs())
+    assert ((p_fast.double() - p_ref.double()).abs() <= ulp(span, torch.bfloat16)).all()
