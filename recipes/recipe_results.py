@@ -69,6 +69,20 @@ DEFINITIONS = {
 }
 
 
+def duration(seconds: float) -> str:
+    """A duration as a person reads it.
+
+    Example:
+        >>> duration(42.0), duration(390.0), duration(3 * 3600 + 600.0)
+        ('42 s', '6.5 min', '3.2 h')
+    """
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def steady_windows(history: Sequence[Mapping[str, Any]]) -> list[float]:
     """Step times of the logging windows after the first, those that took in an
     evaluation left out (an evaluation log before a training log falls in its window).

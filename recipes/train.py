@@ -70,6 +70,7 @@ from recipe_results import (
     baseline_summary,
     compare,
     comparison_table,
+    duration,
     emissions,
     identity,
     load_results,
@@ -297,20 +298,6 @@ def announce_plan(
     if args.process_index == 0:
         logger.info("%s.", message)
     return message + "."
-
-
-def duration(seconds: float) -> str:
-    """A duration as a person reads it.
-
-    Example:
-        >>> duration(42.0), duration(390.0), duration(3 * 3600 + 600.0)
-        ('42 s', '6.5 min', '3.2 h')
-    """
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def typed_command(argv: list[str], recipe: str | None) -> str:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from recipe_results import duration
+
 # --quick: a 2-layer, 128-wide model over the 4,096 most frequent words (the output layer
 # over all 33,278 words of WikiText-2 would take most of a CPU's time), on blocks of 64
 # tokens, 200 steps of 512 tokens, its evaluations on the first 16,384 tokens of each
@@ -77,20 +79,6 @@ def probe_seconds(model: torch.nn.Module, block_size: int, batch: int) -> tuple[
                 eval_times.append(time.perf_counter() - start)
                 probe.train()
     return min(train_times[1:]) * batch / size, min(eval_times[1:]) / size
-
-
-def duration(seconds: float) -> str:
-    """A duration as a person reads it.
-
-    Example:
-        >>> duration(42.0), duration(390.0), duration(3 * 3600 + 600.0)
-        ('42 s', '6.5 min', '3.2 h')
-    """
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def plan_message(
