@@ -170,10 +170,11 @@ class TriAccelCallback(TrainerCallback):
                 "builds; pass optimizer_cls_and_kwargs=callback.optimizer_cls_and_kwargs "
                 "to the Trainer (and no optimizers=...)"
             )
-        if parts.optimizer.config.release_grads and release_blockers(args):
+        blockers = release_blockers(args) if parts.optimizer.config.release_grads else []
+        if blockers:
             raise ValueError(
                 "TriAccelCallback: release_grads=True cannot release in this run: "
-                + "; ".join(release_blockers(args))
+                + "; ".join(blockers)
             )
         if kwargs.get("model") is not None:
             announce_low_memory(args, kwargs["model"])
